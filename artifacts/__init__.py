@@ -1,0 +1,1 @@
+"""artifacts: the bundle (manifest, module, parameters, reference outputs), written atomically, verified on open."""

@@ -1,0 +1,178 @@
+"""Kimi Delta Attention (spec §1): the gated delta rule with a per-channel decay.
+
+Read top to bottom, this file is spec §1: the gates, the short convolution, the L2 norm, the
+recurrence (token by token, the definition), the chunkwise form (what prefill runs), the gated
+output norm, and the layer that strings them together. Shapes: q, k [B, T, H, K]; v [B, T, H, V];
+g [B, T, H, K] (log-decay, fp32); beta [B, T, H]; state S [B, H, K, V] fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import K3Config
+from .norms import RMSNorm
+
+CHUNK = 64
+
+
+# ---- step 4: the log-decay gates ----------------------------------------------------------
+def lowerbound_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                    lower_bound: float) -> torch.Tensor:
+    """K3: g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias)) in (lb, 0). z [..., H, K]."""
+    H, K = z.shape[-2:]
+    a = A_log[:H].float().exp().unsqueeze(-1)
+    return lower_bound * torch.sigmoid(a * (z.float() + dt_bias.float().view(H, K)))
+
+
+def softplus_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Kimi Linear: g = -exp(A_log[h]) * softplus(z + dt_bias). z [..., H, K]."""
+    H, K = z.shape[-2:]
+    a = A_log[:H].float().exp().unsqueeze(-1)
+    return -a * F.softplus(z.float() + dt_bias.float().view(H, K))
+
+
+# ---- step 2: causal depthwise short convolution ---------------------------------------------
+def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """y_t[c] = silu(sum_i w[c, 0, i] * x_{t-W+1+i}[c]); tap W-1 is the current token.
+
+    x [B, T, C]; weight [C, 1, W]; state [B, C, W-1] holds the last W-1 pre-conv inputs
+    (zeros at the start of a sequence). Returns y [B, T, C] and the new state."""
+    W = weight.shape[-1]
+    window = torch.cat((state.to(x.dtype), x.transpose(1, 2)), dim=-1)  # [B, C, W-1+T]
+    y = F.conv1d(window, weight.to(x.dtype), groups=weight.shape[0])      # [B, C, T]
+    return F.silu(y).transpose(1, 2), window[..., window.shape[-1] - (W - 1):]
+
+
+# ---- step 6: L2 norm, eps inside the root ---------------------------------------------------
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+# ---- step 8: the recurrence, token by token (decode, and the definition) --------------------
+def kda_recurrent(q, k, v, g, beta, S):
+    """S <- Diag(exp g_t) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T q_t.
+
+    q is already L2-normalised and scaled; k is L2-normalised. Returns (o [B, T, H, V], S)."""
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    S = S.float()
+    outs = []
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp().unsqueeze(-1)
+        pred = torch.einsum("bhk,bhkv->bhv", k[:, t], S)
+        S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k[:, t], v[:, t] - pred)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    return torch.stack(outs, dim=1), S
+
+
+# ---- the chunkwise form (prefill) ------------------------------------------------------------
+def unit_lower_inverse(M: torch.Tensor) -> torch.Tensor:
+    """(I + M)^-1 for strictly lower-triangular M [..., C, C], exact after log2(C) doublings:
+    (I - M)(I + M^2)(I + M^4)...(I + M^(C/2)), since M^C = 0."""
+    C = M.shape[-1]
+    eye = torch.eye(C, dtype=M.dtype, device=M.device)
+    P, Mp = eye - M, M
+    for _ in range(max(0, math.ceil(math.log2(C)) - 1)):
+        Mp = Mp @ Mp
+        P = P @ (eye + Mp)
+    return P
+
+
+def kda_chunk_step(q, k, v, g, beta, S):
+    """One chunk of n tokens entering with state S; tensors laid out [B, H, n, .].
+
+    G = inclusive cumsum of g;  M_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd) (j < i);
+    T = (I + M)^-1 diag(beta);  W = T (k * exp G);  U = T v;  A_ij = sum_d q_id k_jd exp(G_id - G_jd) (j <= i);
+    V' = U - W S;  O = (q * exp G) S + A V';  S <- exp(G_n) S + (k * exp(G_n - G))^T V'.
+    exp(G_i - G_j) is taken only where j <= i, so every exponent is <= 0 (no overflow)."""
+    n = q.shape[-2]
+    G = g.cumsum(-2)
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[..., None], -torch.inf)
+    decay = diff.exp()                                                 # [B, H, n, n, K]
+    kk = torch.einsum("bhid,bhjd,bhijd->bhij", k, k, decay)
+    M = (beta.unsqueeze(-1) * kk).tril(-1)
+    T = unit_lower_inverse(M) * beta.unsqueeze(-2)
+    W = T @ (k * G.exp())
+    U = T @ v
+    A = torch.einsum("bhid,bhjd,bhijd->bhij", q, k, decay)           # lower incl. diagonal
+    V_new = U - W @ S
+    O = (q * G.exp()) @ S + A @ V_new
+    G_n = G[..., -1:, :]
+    S = G_n.transpose(-1, -2).exp() * S + (k * (G_n - G).exp()).transpose(-1, -2) @ V_new
+    return O, S
+
+
+def kda_chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
+    """Chunkwise prefill over any T: pad to a multiple of the chunk with tokens that change nothing
+    (g = 0, beta = 0, k = v = 0), run the chunks in order carrying S. Returns (o [B, T, H, V], S)."""
+    B, T, H, K = q.shape
+    pad = (-T) % chunk
+    to_bhtd = lambda x: F.pad(x.float(), (0, 0, 0, 0, 0, pad)).transpose(1, 2)  # noqa: E731
+    q, k, v, g = (to_bhtd(x) for x in (q, k, v, g))
+    beta = F.pad(beta.float(), (0, 0, 0, pad)).transpose(1, 2)
+    S = S.float()
+    outs = []
+    for c in range(0, T + pad, chunk):
+        sl = slice(c, c + chunk)
+        o, S = kda_chunk_step(q[..., sl, :], k[..., sl, :], v[..., sl, :], g[..., sl, :], beta[..., sl], S)
+        outs.append(o)
+    return torch.cat(outs, dim=-2)[..., :T, :].transpose(1, 2), S
+
+
+# ---- the layer -------------------------------------------------------------------------------
+class KimiDeltaAttention(nn.Module):
+    """Projections, short convs, gates and output of one KDA layer (spec §1 steps 1-10)."""
+
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        D, H, K = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim
+        self.H, self.K, self.lower_bound = H, K, cfg.gate_lower_bound
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, H * K, bias=False) for _ in range(3))
+        W = cfg.conv_size
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
+                                                       for _ in range(3))
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(H * K))
+        self.A_log = nn.Parameter(torch.zeros(max(H, K)))  # stored [128] for K3: H values, then zeros
+        self.b_proj = nn.Linear(D, H, bias=False)
+        if cfg.kda.get("use_full_rank_gate", True):
+            self.g_proj = nn.Linear(D, H * K, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, K, bias=False)
+            self.g_b_proj = nn.Linear(K, H * K, bias=False)
+        self.o_norm = RMSNorm(K, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "g_proj"):
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, conv_state: tuple[torch.Tensor, ...], S: torch.Tensor,
+                decode: bool = False):
+        """x [B, T, D] (after input_layernorm). Returns (out [B, T, D], conv_state, S)."""
+        B, T, _ = x.shape
+        H, K = self.H, self.K
+        q, cq = short_conv(self.q_proj(x), self.q_conv1d.weight, conv_state[0])
+        k, ck = short_conv(self.k_proj(x), self.k_conv1d.weight, conv_state[1])
+        v, cv = short_conv(self.v_proj(x), self.v_conv1d.weight, conv_state[2])
+        q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
+        z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
+        if self.lower_bound is not None:
+            g = lowerbound_gate(z, self.A_log, self.dt_bias, self.lower_bound)
+        else:
+            g = softplus_gate(z, self.A_log, self.dt_bias)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        q = l2norm(q) * K ** -0.5
+        k = l2norm(k)
+        op = torch.ops.k3.kda_step if decode else torch.ops.k3.kda_chunk
+        o, S = op(q, k, v.float(), g, beta, S)
+        gate = torch.sigmoid(self.output_gate(x).view(B, T, H, K).float())
+        y = (self.o_norm(o) * gate).to(x.dtype).reshape(B, T, H * K)
+        return self.o_proj(y), (cq, ck, cv), S

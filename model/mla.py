@@ -1,0 +1,92 @@
+"""Gated Multi-head Latent Attention with no positional encoding (spec §2).
+
+The cache holds only the latent [c_n | k_pe] (kv_lora_rank + qk_rope_head_dim numbers per token);
+its length is the number of tokens seen, so decode cost grows with the context actually used.
+Prefill expands keys and values from the latent (naive form); decode attends in the latent space
+(absorbed form). With NoPE there are no positions: the 64-dim "rope" part is kept unrotated.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import K3Config
+from .norms import RMSNorm
+
+LORA_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.H, self.nope, self.rope, self.dv = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.rank = cfg.kv_lora_rank
+        self.scale = (self.nope + self.rope) ** -0.5
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (self.nope + self.rope), bias=False)
+        else:
+            self.q_proj = nn.Linear(D, H * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, LORA_EPS)
+        self.kv_b_proj = nn.Linear(self.rank, H * (self.nope + self.dv), bias=False)
+        if cfg.mla_use_output_gate:
+            self.g_proj = nn.Linear(D, H * self.dv, bias=False)
+        self.o_proj = nn.Linear(H * self.dv, D, bias=False)
+
+    def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q = q_b_proj(RMSNorm(q_a_proj x)) -> q_nope [B, T, H, nope], q_pe [B, T, H, rope]."""
+        B, T, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        return q.view(B, T, self.H, -1).split((self.nope, self.rope), dim=-1)
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """The cache row of each token: [c_n | k_pe], [B, T, rank + rope]."""
+        c, k_pe = self.kv_a_proj_with_mqa(x).split((self.rank, self.rope), dim=-1)
+        return torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
+
+    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """o [B, T, H, dv] -> gate by sigmoid(g_proj x) (x = the layer input), then o_proj."""
+        o = o.reshape(*o.shape[:2], -1)
+        if hasattr(self, "g_proj"):
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor, decode: bool = False):
+        """x [B, T, D]; cache [B, L, rank + rope] of the L tokens before. Returns (out, new cache)."""
+        cache = torch.cat((cache.to(x.dtype), self.latent(x)), dim=1)
+        q_nope, q_pe = self.queries(x)
+        o = self.attend_absorbed(q_nope, q_pe, cache) if decode else self.attend_naive(q_nope, q_pe, cache)
+        return self.finish(x, o.to(x.dtype)), cache
+
+    def attend_naive(self, q_nope, q_pe, cache):
+        """Expand per-head keys/values from the latent; causal softmax over all cached tokens."""
+        B, T, H, _ = q_nope.shape
+        L = cache.shape[1]
+        c_n, k_pe = cache.split((self.rank, self.rope), dim=-1)
+        k_nope, v = self.kv_b_proj(c_n).view(B, L, H, -1).split((self.nope, self.dv), dim=-1)
+        key = torch.cat((k_nope, k_pe.unsqueeze(2).expand(B, L, H, self.rope)), dim=-1)
+        query = torch.cat((q_nope, q_pe), dim=-1)
+        # query t sits at absolute position L - T + t and sees keys up to it
+        mask = torch.ones(T, L, dtype=torch.bool, device=cache.device).tril(L - T)
+        o = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, scale=self.scale)
+        return o.transpose(1, 2)
+
+    def attend_absorbed(self, q_nope, q_pe, cache):
+        """MQA over the latent: q_lat,h = W_UK,h^T q_nope,h; score = (q_lat.c + q_pe.k_pe) * scale;
+        o_h = W_UV,h sum_t p_t c_t. Causal as in attend_naive."""
+        B, T, H, _ = q_nope.shape
+        L = cache.shape[1]
+        W = self.kv_b_proj.weight.view(H, self.nope + self.dv, self.rank)
+        W_UK, W_UV = W[:, :self.nope], W[:, self.nope:]
+        q_lat = torch.einsum("bthn,hnr->bthr", q_nope.float(), W_UK.float())
+        query = torch.cat((q_lat, q_pe.float()), dim=-1)                  # [B, T, H, rank + rope]
+        scores = torch.einsum("bthr,blr->bhtl", query, cache.float()) * self.scale
+        mask = torch.ones(T, L, dtype=torch.bool, device=cache.device).tril(L - T)
+        p = scores.masked_fill(~mask, -torch.inf).softmax(dim=-1)
+        ctx = torch.einsum("bhtl,blr->bthr", p, cache[..., :self.rank].float())
+        return torch.einsum("bthr,hvr->bthv", ctx, W_UV.float())

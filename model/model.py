@@ -1,0 +1,150 @@
+"""K3Model: the eager PyTorch reference (spec §1-4), with explicit prefill / decode state.
+
+Forward, per decoder layer l (spec §3), with p the running partial sum and B the bank of blocks:
+    x = AttnRes(B, p) if B else p;  if l % block == 0: B.append(p), p = None
+    p = p + attn(input_layernorm(x));  x = AttnRes(B, p);  p = p + mlp(post_attention_layernorm(x))
+Kimi Linear has plain residuals instead: h = h + attn(norm(h)); h = h + mlp(norm(h)).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from . import ops  # noqa: F401  (registers torch.ops.k3.*)
+from .attnres import attn_res
+from .config import K3Config
+from .kda import KimiDeltaAttention
+from .mla import GatedMLA
+from .moe import MoE, GatedMLP
+from .norms import RMSNorm
+
+
+@dataclass
+class K3State:
+    """Decode state. Per KDA layer: ``kda_conv`` [B, 3, H*K, W-1] (last W-1 pre-conv inputs of q, k, v)
+    and ``kda_S`` [B, H, K, V] fp32. Per MLA layer: ``mla_cache`` [B, L, kv_lora_rank + rope], the
+    latent of the L tokens seen so far (L is the position of the next token)."""
+    kda_conv: list[torch.Tensor] = field(default_factory=list)
+    kda_S: list[torch.Tensor] = field(default_factory=list)
+    mla_cache: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def position(self) -> int:
+        return self.mla_cache[0].shape[1] if self.mla_cache else -1
+
+
+pytree.register_dataclass(K3State)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: K3Config, layer: int):
+        super().__init__()
+        D = cfg.hidden_size
+        self.kind = cfg.layer_kinds[layer]
+        self.self_attn = GatedMLA(cfg) if self.kind == "mla" else KimiDeltaAttention(cfg)
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        if cfg.is_moe(layer):
+            self.block_sparse_moe = MoE(cfg)
+        else:
+            self.mlp = GatedMLP(cfg, D, cfg.intermediate_size)
+        if cfg.uses_attn_res:
+            self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+            self.self_attention_res_norm = RMSNorm(D)
+            self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(D)
+
+    def attention(self, x, state: K3State, slot: int, decode: bool):
+        """Run self_attn on x and write this layer's new state into ``state`` at ``slot``."""
+        h = self.input_layernorm(x)
+        if self.kind == "mla":
+            out, state.mla_cache[slot] = self.self_attn(h, state.mla_cache[slot], decode)
+        else:
+            conv = state.kda_conv[slot].unbind(1)
+            out, conv, state.kda_S[slot] = self.self_attn(h, conv, state.kda_S[slot], decode)
+            state.kda_conv[slot] = torch.stack(conv, dim=1)
+        return out
+
+    def ffn(self, x):
+        h = self.post_attention_layernorm(x)
+        return self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
+
+
+class K3Model(nn.Module):
+    """``model.*`` tensors and ``lm_head``; names match the checkpoint (spec §1-4)."""
+
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.uses_attn_res:
+            self.model.output_attn_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.model.output_attn_res_norm = RMSNorm(cfg.hidden_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # slot of each layer within its kind's state list
+        kinds = cfg.layer_kinds
+        self.slots = [kinds[:i].count(k) for i, k in enumerate(kinds)]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def init_state(self, batch: int = 1) -> K3State:
+        cfg, dev = self.cfg, self.model.embed_tokens.weight.device
+        HK, W = cfg.kda_heads * cfg.kda_head_dim, cfg.conv_size
+        n_kda = cfg.layer_kinds.count("kda")
+        n_mla = cfg.layer_kinds.count("mla")
+        return K3State(
+            kda_conv=[torch.zeros(batch, 3, HK, W - 1, dtype=self.dtype, device=dev) for _ in range(n_kda)],
+            kda_S=[torch.zeros(batch, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim, device=dev)
+                   for _ in range(n_kda)],
+            mla_cache=[torch.zeros(batch, 0, cfg.mla_cache_width, dtype=self.dtype, device=dev)
+                       for _ in range(n_mla)])
+
+    def layers_forward(self, tokens: torch.Tensor, state: K3State, decode: bool,
+                       hidden: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Embedding through final norm and lm_head. If ``hidden`` is a list, the residual stream
+        after each layer (the partial sum p under AttnRes) is appended to it."""
+        state = K3State(list(state.kda_conv), list(state.kda_S), list(state.mla_cache))
+        cfg, m = self.cfg, self.model
+        p = m.embed_tokens(tokens)
+        bank: list[torch.Tensor] = []
+        for i, layer in enumerate(m.layers):
+            slot = self.slots[i]
+            if not cfg.uses_attn_res:
+                p = p + layer.attention(p, state, slot, decode)
+                p = p + layer.ffn(p)
+            else:
+                x = attn_res(bank, p, layer.self_attention_res_proj.weight, layer.self_attention_res_norm.weight) \
+                    if bank else p
+                a = layer.attention(x, state, slot, decode)
+                if cfg.closes_block(i):
+                    bank.append(p)
+                    p = a
+                else:
+                    p = p + a
+                x = attn_res(bank, p, layer.mlp_res_proj.weight, layer.mlp_res_norm.weight)
+                p = p + layer.ffn(x)
+            if hidden is not None:
+                hidden.append(p)
+        if cfg.uses_attn_res:
+            p = attn_res(bank, p, m.output_attn_res_proj.weight, m.output_attn_res_norm.weight)
+        return self.lm_head(m.norm(p)), state
+
+    def prefill(self, tokens: torch.Tensor, state: K3State | None = None):
+        """tokens [B, T] -> (logits [B, T, vocab], state after the T tokens)."""
+        state = state if state is not None else self.init_state(tokens.shape[0])
+        return self.layers_forward(tokens, state, decode=False)
+
+    def decode(self, token: torch.Tensor, state: K3State):
+        """token [B, 1] at position state.position -> (logits [B, 1, vocab], state)."""
+        return self.layers_forward(token, state, decode=True)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.prefill(tokens)[0]

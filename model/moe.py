@@ -1,0 +1,130 @@
+"""SiTU-GLU, the dense MLP, the sigmoid router and Stable LatentMoE (spec §4).
+
+K3: z = down(x) into the latent; y = RMSNorm(sum_i w_i e_i(z)); out = up(y) + shared(x).
+Kimi Linear (no latent): out = sum_i w_i e_i(x) + shared(x), SiLU-GLU experts.
+Routed experts are stored per expert as the checkpoint names them (``experts.{e}.w1/w2/w3``),
+either as MXFP4 (``weight_packed`` + ``weight_scale``) or as a float ``weight``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import K3Config
+from .norms import RMSNorm
+
+
+def situ(g: torch.Tensor, u: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """SiTU(g, u) = [b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)]; |SiTU| <= b1*b2; -> SwiGLU as b -> inf."""
+    g, u = g.float(), u.float()
+    return (beta1 * torch.tanh(g / beta1) * torch.sigmoid(g)) * (beta2 * torch.tanh(u / beta2))
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g.float()) * u.float()
+
+
+def glu_act(act: str, beta1: float, beta2: float, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return situ(g, u, beta1, beta2) if act == "situ" else swiglu(g, u)
+
+
+def glu(cfg: K3Config, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return glu_act(cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta, g, u)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate x, up x)): the dense first layer and the (fused) shared experts."""
+
+    def __init__(self, cfg: K3Config, dim: int, hidden: int):
+        super().__init__()
+        self.cfg = cfg
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu(self.cfg, self.gate_proj(x), self.up_proj(x)).to(x.dtype))
+
+
+class ExpertLinear(nn.Module):
+    """One expert matrix [out, in]: MXFP4 (packed u8 [out, in/2] + scale u8 [out, in/32]) or float."""
+
+    def __init__(self, out_dim: int, in_dim: int, mxfp4: bool):
+        super().__init__()
+        if mxfp4:
+            self.register_buffer("weight_packed", torch.zeros(out_dim, in_dim // 2, dtype=torch.uint8))
+            self.register_buffer("weight_scale", torch.full((out_dim, in_dim // 32), 127, dtype=torch.uint8))
+        else:
+            self.weight = nn.Parameter(torch.zeros(out_dim, in_dim))
+
+
+class Expert(nn.Module):
+    def __init__(self, dim: int, hidden: int, mxfp4: bool):
+        super().__init__()
+        self.w1 = ExpertLinear(hidden, dim, mxfp4)   # gate
+        self.w3 = ExpertLinear(hidden, dim, mxfp4)   # up
+        self.w2 = ExpertLinear(dim, hidden, mxfp4)   # down
+
+
+def route(cfg: K3Config, x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor):
+    """s = sigmoid(x W_g^T) in fp32; top-k by s + bias (bias picks, never weighs);
+    w = s_idx / (sum s_idx + 1e-20) * routed_scaling_factor. Returns (idx [N, k], w [N, k] fp32)."""
+    s = torch.sigmoid(x.float() @ gate_weight.float().t())
+    idx = torch.topk(s + bias.float(), cfg.num_experts_per_token, dim=-1).indices
+    w = s.gather(-1, idx)
+    if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return idx, w * cfg.routed_scaling_factor
+
+
+def dense_expert_mix(cfg: K3Config, z, idx, w, W1, W3, W2):
+    """sum_i w_i W2_e act(W1_e z, W3_e z) over every expert e, with w = 0 off the top-k: the
+    static-shape form (compute grows with the number of experts). W* [E, out, in] float."""
+    dense_w = torch.zeros(z.shape[0], W1.shape[0], dtype=torch.float32, device=z.device).scatter(-1, idx, w)
+    h = glu(cfg, torch.einsum("nd,eid->nei", z.float(), W1.float()), torch.einsum("nd,eid->nei", z.float(), W3.float()))
+    return torch.einsum("nei,edi,ne->nd", h, W2.float(), dense_w)
+
+
+class MoE(nn.Module):
+    """Sigmoid-routed MoE with shared experts; latent (K3) when routed_expert_hidden_size is set."""
+
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        self.cfg = cfg
+        D, L = cfg.hidden_size, cfg.expert_input_size
+        self.gate = nn.Linear(D, cfg.num_experts, bias=False)
+        self.gate.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+        if cfg.is_latent_moe:
+            self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
+            self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps)
+            self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+        self.experts = nn.ModuleList(Expert(L, cfg.moe_intermediate_size, cfg.experts_mxfp4)
+                                     for _ in range(cfg.num_experts))
+        if cfg.num_shared_experts:
+            self.shared_experts = GatedMLP(cfg, D, cfg.moe_intermediate_size * cfg.num_shared_experts)
+
+    def stacked(self, name: str, field: str) -> torch.Tensor:
+        return torch.stack([getattr(getattr(e, name), field) for e in self.experts])
+
+    def routed(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """sum_i w_i e_{idx_i}(z), fp32, z [N, L]."""
+        cfg = self.cfg
+        if cfg.experts_mxfp4:
+            p = {n: (self.stacked(n, "weight_packed"), self.stacked(n, "weight_scale")) for n in ("w1", "w3", "w2")}
+            return torch.ops.k3.mxfp4_moe(z.float(), idx, w, *p["w1"], *p["w3"], *p["w2"], cfg.hidden_act,
+                                          cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        return dense_expert_mix(cfg, z, idx, w, *(self.stacked(n, "weight") for n in ("w1", "w3", "w2")))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        idx, w = route(self.cfg, x, self.gate.weight, self.gate.e_score_correction_bias)
+        if self.cfg.is_latent_moe:
+            y = self.routed(self.routed_expert_down_proj(x), idx, w)
+            out = self.routed_expert_up_proj(self.routed_expert_norm(y).to(x.dtype))
+        else:
+            out = self.routed(x, idx, w).to(x.dtype)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
+        return out.view(shape)

@@ -1,0 +1,1 @@
+"""passes: MLIR rewrites that replace each torch.k3.* custom op with a per-target implementation."""

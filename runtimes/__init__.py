@@ -1,0 +1,1 @@
+"""runtimes: targets, iree-compile, and IREE runtime sessions that run and validate a bundle."""
