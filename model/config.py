@@ -214,21 +214,13 @@ class K3Config:
     def from_dict(cls, raw: dict[str, Any]) -> "K3Config":
         if "text_config" in raw:  # multimodal wrapper: the text model's config lies inside
             raw = raw["text_config"]
+        model_type = raw.get("model_type", "kimi_k3")
+        if model_type == "kimi_linear":
+            from .kimi_linear import k3_config_fields  # kimi_linear imports this module
+            raw = k3_config_fields(raw)
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in names}
-        model_type = raw.get("model_type", "kimi_k3")
         kwargs["model_type"] = model_type
-        if model_type == "kimi_linear":
-            # Kimi Linear: softplus gate, low-rank output gate, plain residuals, plain MoE, SiLU.
-            kwargs.setdefault("routed_expert_hidden_size", None)
-            kwargs.setdefault("attn_res_block_size", None)
-            kwargs.setdefault("hidden_act", "silu")
-            kwargs.setdefault("mla_use_output_gate", False)
-            kwargs.setdefault("quantization_config", None)
-            lac = dict(kwargs.get("linear_attn_config") or {})
-            lac.setdefault("gate_lower_bound", None)
-            lac.setdefault("use_full_rank_gate", False)
-            kwargs["linear_attn_config"] = lac
         try:
             return cls(**kwargs)
         except TypeError as e:
