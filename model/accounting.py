@@ -1,0 +1,179 @@
+"""Parameters, bytes, decode state, cache and FLOPs of a configuration, from module shapes (spec §6).
+
+Nothing is allocated: the modules are built on the meta device and their parameters and buffers
+walked. Decoder layers of one kind (KDA or MLA attention, dense MLP or MoE) have the same shapes,
+so one layer of each kind is built and counted once per layer of that kind; building K3's 82,432
+experts one by one would take about a minute. MXFP4 experts count as their logical weights
+(out x in per matrix: two per packed byte; the scales are not weights) and their bytes as stored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections import Counter
+
+import torch
+from rich.console import Console
+from rich.filesize import decimal
+from rich.table import Table
+
+from .checkpoint import stored_dtype
+from .config import K3Config
+from .model import DecoderLayer, K3Model
+
+CACHE_BYTES = 2  # the MLA latent cache is kept in 16-bit (spec §6)
+LAYER_COMPONENTS = (  # (component, tensor name prefix inside a decoder layer); self_attn goes by kind
+    ("routed_experts", "block_sparse_moe.experts."),
+    ("shared_experts", "block_sparse_moe.shared_experts."),
+    ("router", "block_sparse_moe.gate."),
+    ("latent_projections", "block_sparse_moe.routed_expert_"),
+    ("dense_mlp", "mlp."),
+)
+TOP_COMPONENTS = (("embedding", "model.embed_tokens."), ("lm_head", "lm_head."))
+
+
+def named_tensors(module: torch.nn.Module):
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def weights(name: str, t: torch.Tensor) -> int:
+    """Logical weights of a tensor: an MXFP4 ``weight_packed`` [out, in/2] holds out * in."""
+    if name.endswith("weight_packed"):
+        return 2 * t.numel()
+    return 0 if name.endswith("weight_scale") else t.numel()
+
+
+def stored_bytes(name: str, t: torch.Tensor) -> int:
+    return t.numel() * stored_dtype(name, t).itemsize
+
+
+def component(name: str, layer: DecoderLayer | None) -> str:
+    """Which part of the model a tensor belongs to; ``layer`` is None outside model.layers."""
+    if layer is not None and name.startswith("self_attn."):
+        return layer.kind
+    for comp, prefix in LAYER_COMPONENTS if layer is not None else TOP_COMPONENTS:
+        if name.startswith(prefix):
+            return comp
+    return "norms_attnres"
+
+
+def layer_kinds(cfg: K3Config) -> list[tuple[DecoderLayer, int]]:
+    """One DecoderLayer per distinct (attention kind, MoE or dense) and the number of such layers."""
+    first, count = {}, Counter()
+    for i, kind in enumerate(cfg.layer_kinds):
+        key = (kind, cfg.is_moe(i))
+        first.setdefault(key, i)
+        count[key] += 1
+    return [(DecoderLayer(cfg, i), count[key]) for key, i in first.items()]
+
+
+def outer_tensors(cfg: K3Config) -> list[tuple[str, torch.Tensor]]:
+    """The tensors outside model.layers (embedding, final norm, output AttnRes, lm_head), read off
+    a one-layer K3Model of the same widths."""
+    one_layer = dataclasses.replace(cfg, num_hidden_layers=1, first_k_dense_replace=1,
+                                    linear_attn_config={**cfg.kda, "full_attn_layers": [1], "kda_layers": []})
+    return [(n, t) for n, t in named_tensors(K3Model(one_layer)) if not n.startswith("model.layers.")]
+
+
+def account(cfg: K3Config, context: int = 1_048_576) -> dict:
+    """Every figure of spec §6 for ``cfg``; cache sizes and attention FLOPs at ``context`` tokens."""
+    params, nbytes = Counter(), Counter()
+    with torch.device("meta"):
+        layers = layer_kinds(cfg)
+        for name, t in outer_tensors(cfg):
+            params[component(name, None)] += weights(name, t)
+            nbytes[component(name, None)] += stored_bytes(name, t)
+    for layer, n in layers:
+        for name, t in named_tensors(layer):
+            params[component(name, layer)] += n * weights(name, t)
+            nbytes[component(name, layer)] += n * stored_bytes(name, t)
+
+    moe = [(layer.block_sparse_moe, n) for layer, n in layers if hasattr(layer, "block_sparse_moe")]
+    expert = list(named_tensors(moe[0][0].experts[0])) if moe else []
+    per_expert = sum(weights(name, t) for name, t in expert)
+    per_expert_bytes = sum(stored_bytes(name, t) for name, t in expert)
+    active_experts = sum(n * cfg.num_experts_per_token for _, n in moe)
+    total = sum(params.values())
+    trunk = total - params["embedding"] - params["routed_experts"]
+    active = trunk + active_experts * per_expert
+
+    # Decode state (spec §1): S [H, K, V] fp32 per KDA layer (V = K), and the conv state of q, k, v.
+    kda = [(layer.self_attn, n) for layer, n in layers if layer.kind == "kda"]
+    kda_state = sum(n * a.H * a.K * a.K for a, n in kda)
+    conv_state = sum(n * 3 * a.q_conv1d.weight.shape[0] * (a.q_conv1d.weight.shape[-1] - 1) for a, n in kda)
+    # MLA cache (spec §2): one kv_a_proj_with_mqa output [c_n | k_pe] per token per layer.
+    mla = [(layer.self_attn, n) for layer, n in layers if layer.kind == "mla"]
+    mla_per_token = sum(n * a.kv_a_proj_with_mqa.out_features for a, n in mla)
+    # Absorbed decode of one token over `context` cached tokens, per head: scores over the
+    # rank + rope wide key, then the mix of rank wide values.
+    mla_flops = sum(n * 2 * a.H * context * (2 * a.rank + a.rope) for a, n in mla)
+    # Prediction S^T k, rank-1 update and readout S^T q: a multiply-add per state number each.
+    kda_flops = 2 * 3 * kda_state
+    mxfp4 = cfg.experts_mxfp4 and bool(moe)
+    return {
+        "context": context,
+        "params_total": total,
+        "params_by_component": dict(params),
+        "routed_experts": sum(len(m.experts) * n for m, n in moe),
+        "params_per_routed_expert": per_expert,
+        "params_trunk": trunk,
+        "params_active_per_token": active,
+        "bytes_total": sum(nbytes.values()),
+        "bytes_by_component": dict(nbytes),
+        "mxfp4_bytes_per_expert": per_expert_bytes if mxfp4 else None,
+        "mxfp4_bytes_per_token": active_experts * per_expert_bytes if mxfp4 else None,
+        "kda_state_numbers": kda_state,
+        "kda_state_bytes": 4 * kda_state,
+        "kda_conv_state_numbers": conv_state,
+        "mla_cache_numbers_per_token": mla_per_token,
+        "mla_cache_bytes": CACHE_BYTES * mla_per_token * context,
+        "crossover_tokens": kda_state // mla_per_token + 1 if mla_per_token else None,
+        "mla_cache_over_kda_state": round(mla_per_token * context / kda_state, 2) if kda_state else None,
+        "flops_per_token": {"weights": 2 * active, "mla_attention": mla_flops, "kda_state": kda_flops,
+                            "total": 2 * active + mla_flops + kda_flops},
+    }
+
+
+def render(f: dict) -> str:
+    """The figures as two rich tables, rendered to plain text."""
+    parts = Table(title="Parameters and stored bytes")
+    for col in ("component", "parameters", "bytes"):
+        parts.add_column(col, justify="left" if col == "component" else "right")
+    for comp, n in sorted(f["params_by_component"].items(), key=lambda kv: -kv[1]):
+        parts.add_row(comp, f"{n:,}", decimal(f["bytes_by_component"][comp]))
+    parts.add_row("total", f"{f['params_total']:,}", decimal(f["bytes_total"]), style="bold")
+
+    def size(v):
+        return "-" if v is None else decimal(v)
+
+    def gflop(v):
+        return f"{v / 1e9:,.1f} GFLOP" if v >= 1e9 else f"{v / 1e6:,.1f} MFLOP" if v >= 1e6 else f"{v:,} FLOP"
+
+    flops = f["flops_per_token"]
+    rows = [
+        ("routed experts (MXFP4 as logical weights)",
+         f"{f['routed_experts']:,} x {f['params_per_routed_expert']:,} params"),
+        ("active params per token (no embedding)", f"{f['params_active_per_token']:,}"),
+        ("MXFP4 bytes per expert / per token", f"{size(f['mxfp4_bytes_per_expert'])} / "
+                                               f"{size(f['mxfp4_bytes_per_token'])}"),
+        ("KDA state per sequence (fp32)", f"{f['kda_state_numbers']:,} numbers, {decimal(f['kda_state_bytes'])}"),
+        ("KDA conv state per sequence", f"{f['kda_conv_state_numbers']:,} numbers"),
+        ("MLA cache per token", f"{f['mla_cache_numbers_per_token']:,} numbers"),
+        (f"MLA cache at {f['context']:,} tokens (16-bit)", decimal(f["mla_cache_bytes"])),
+        ("MLA cache passes KDA state at", "-" if f["crossover_tokens"] is None
+         else f"{f['crossover_tokens']:,} tokens"),
+        (f"MLA cache / KDA state at {f['context']:,} tokens", "-" if f["mla_cache_over_kda_state"] is None
+         else f"{f['mla_cache_over_kda_state']:,}x"),
+        ("FLOPs per token: weights (2 x active)", gflop(flops["weights"])),
+        (f"FLOPs per token: MLA attention at {f['context']:,}", gflop(flops["mla_attention"])),
+        ("FLOPs per token: KDA state", gflop(flops["kda_state"])),
+    ]
+    other = Table(title="State, cache and compute")
+    other.add_column("figure")
+    other.add_column("value", justify="right")
+    for row in rows:
+        other.add_row(*row)
+    console = Console(file=io.StringIO(), width=110)
+    console.print(parts, other)
+    return console.file.getvalue()
