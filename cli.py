@@ -3,8 +3,11 @@ run, validate, bench, targets). Errors from bad input print one line and exit no
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -61,3 +64,74 @@ def balance_demo(steps, tokens, seed):
     start = time.perf_counter()
     click.echo(render_history(run_demo(steps, tokens, seed)))
     click.echo(f"{steps} updates, {tokens:,} tokens per batch, {time.perf_counter() - start:.1f} s", err=True)
+
+
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(ctx, param, value: str | None) -> int | None:
+    """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000."""
+    if value is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
+    if not m or m[2].upper() not in SIZE_UNITS or float(m[1]) <= 0:
+        raise click.BadParameter(f"{value!r} is not a size such as 2GB or 512MiB")
+    return int(float(m[1]) * SIZE_UNITS[m[2].upper()])
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@main.command("init-checkpoint")
+@click.option("--preset", required=True, help="k3, k3-small or k3-tiny.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
+@click.option("--shard-size", default=None, callback=parse_size, help="Shard the weights, e.g. 2GB.")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def init_checkpoint(preset, seed, shard_size, out_dir):
+    """Write a checkpoint of seeded random weights for a preset (same seed, same bytes)."""
+    import torch
+    from .model.convert import save_checkpoint
+    from .model.init import init_weights
+    from .model.model import K3Model
+    cfg = load_config(preset, None)
+    with torch.device("meta"):
+        need = sum(t.numel() * t.element_size() for t in K3Model(cfg).state_dict().values())
+    if need > physical_memory():
+        raise K3Error(f"init-checkpoint: preset {preset} needs {need / 1e9:.0f} GB in memory, "
+                      f"this machine has {physical_memory() / 1e9:.0f} GB")
+    start = time.perf_counter()
+    model = init_weights(K3Model(cfg), seed)
+    click.echo(f"initialised {preset} with seed {seed} in {time.perf_counter() - start:.1f} s", err=True)
+    start = time.perf_counter()
+    save_checkpoint(model, out_dir, shard_size)
+    files = sorted(Path(out_dir).iterdir())
+    click.echo(f"wrote {out_dir}: {len(files)} files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB "
+               f"in {time.perf_counter() - start:.1f} s", err=True)
+
+
+@main.command()
+@click.argument("in_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--show", default=20, show_default=True, help="Tensors listed, largest error first.")
+def quantize(in_dir, out_dir, show):
+    """Convert a checkpoint's float routed experts to MXFP4; other tensors are kept byte for byte."""
+    from rich.console import Console
+    from rich.table import Table
+    from .model.convert import quantize_checkpoint
+    start = time.perf_counter()
+    report = quantize_checkpoint(in_dir, out_dir)
+    click.echo(f"quantised {len(report)} tensors into {out_dir} in {time.perf_counter() - start:.1f} s", err=True)
+    if not report:
+        return
+    table = Table(title="MXFP4 relative RMS error ||W_q - W|| / ||W||")
+    table.add_column("tensor")
+    table.add_column("shape")
+    table.add_column("rel. RMS error", justify="right")
+    for q in sorted(report, key=lambda q: (-q.rel_rms_error, q.name))[:show]:
+        table.add_row(q.name, "x".join(map(str, q.shape)), f"{q.rel_rms_error:.4f}")
+    errors = [q.rel_rms_error for q in report]
+    table.caption = (f"{len(report)} tensors (largest {min(show, len(report))} shown): "
+                     f"mean {sum(errors) / len(errors):.4f}, max {max(errors):.4f}")
+    Console().print(table)

@@ -13,6 +13,7 @@ import math
 import torch
 
 from . import mxfp4
+from .checkpoint import progress
 from .model import K3Model
 
 RESIDUAL_WRITERS = ("o_proj", "down_proj", "routed_expert_up_proj", ".w2")
@@ -29,7 +30,7 @@ def init_weights(model: K3Model, seed: int = 0) -> K3Model:
 
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
-    for name in sorted(tensors):
+    for name in progress(sorted(tensors), "initialising"):
         t = tensors[name]
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith("weight_scale"):
@@ -52,8 +53,8 @@ def init_weights(model: K3Model, seed: int = 0) -> K3Model:
             t.copy_(normal(t.shape, 0.5))
         elif leaf == "e_score_correction_bias":
             t.copy_(normal(t.shape, 0.01))
-        elif "norm" in name.rsplit(".", 2)[-2] or leaf == "bias":
-            t.fill_(1.0) if leaf == "weight" else t.zero_()
+        elif "norm" in name.rsplit(".", 2)[-2]:
+            t.fill_(1.0)
         elif name.endswith("conv1d.weight"):
             t.copy_(normal(t.shape, t.shape[-1] ** -0.5))
         elif t.dim() >= 2:

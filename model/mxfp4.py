@@ -68,6 +68,10 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_nibbles(codes.flatten(-2)), scale
 
 
-def from_gpt_oss(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gpt-oss ``*_blocks`` [..., rows, in/32, 16] + ``*_scales`` [..., rows, in/32] -> K3 layout."""
-    return blocks.flatten(-2), scales
+def from_gpt_oss(blocks: torch.Tensor) -> torch.Tensor:
+    """gpt-oss ``*_blocks`` u8 [..., rows, in/32, 16] -> K3 ``weight_packed`` u8 [..., rows, in/2].
+
+    The same bytes in another shape: byte j of group g holds elements 32g + 2j (low nibble) and
+    32g + 2j + 1 (high nibble) of a row, as in K3. ``*_scales`` u8 [..., rows, in/32] already are
+    K3's ``weight_scale``. (transformers dequantises blocks to [..., rows, in], then transposes.)"""
+    return blocks.flatten(-2)
