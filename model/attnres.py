@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import torch
 
-from .norms import rms_norm
+from .norms import rms_norm, upcast
 
 EPS = 1e-5
 
 
 def score(v: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
     """s = w . RMSNorm_gamma(v) for rows v [..., D] -> [...]."""
-    return rms_norm(v.float(), gamma, EPS) @ w.float().squeeze(0)
+    return rms_norm(upcast(v), gamma, EPS) @ upcast(w).squeeze(0)
 
 
 def attn_res(bank: list[torch.Tensor], p: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
     """The definition: one softmax over all m + 1 rows, accumulated in fp32."""
-    V = torch.stack([*bank, p], dim=0).float()                           # [m+1, B, T, D]
+    V = upcast(torch.stack([*bank, p], dim=0))                           # [m+1, B, T, D]
     alpha = score(V, w, gamma).softmax(dim=0)
     return (alpha.unsqueeze(-1) * V).sum(0).to(p.dtype)
 
@@ -29,7 +29,7 @@ def attn_res(bank: list[torch.Tensor], p: torch.Tensor, w: torch.Tensor, gamma: 
 def bank_summary(bank: list[torch.Tensor], w: torch.Tensor, gamma: torch.Tensor):
     """Online-softmax state over the closed blocks: (m1, l1, o1) = (max score, sum of exp, weighted sum).
     The pseudo-query does not depend on the input, so one block's rows serve every layer after it."""
-    V = torch.stack(bank, dim=0).float()
+    V = upcast(torch.stack(bank, dim=0))
     s = score(V, w, gamma)
     m1 = s.amax(dim=0)
     e = (s - m1).exp()
@@ -40,7 +40,7 @@ def attn_res_online(summary, p: torch.Tensor, w: torch.Tensor, gamma: torch.Tens
     """Merge the partial sum into a bank summary: m = max(m1, s2);
     h = (e^{m1-m} o1 + e^{s2-m} p) / (e^{m1-m} l1 + e^{s2-m})."""
     m1, l1, o1 = summary
-    s2 = score(p.float(), w, gamma)
+    s2 = score(upcast(p), w, gamma)
     m = torch.maximum(m1, s2)
     a, b = (m1 - m).exp(), (s2 - m).exp()
-    return ((a.unsqueeze(-1) * o1 + b.unsqueeze(-1) * p.float()) / (a * l1 + b).unsqueeze(-1)).to(p.dtype)
+    return ((a.unsqueeze(-1) * o1 + b.unsqueeze(-1) * upcast(p)) / (a * l1 + b).unsqueeze(-1)).to(p.dtype)

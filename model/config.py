@@ -194,8 +194,9 @@ class K3Config:
         if self.attn_res_block_size is not None:
             need(self.attn_res_block_size > 0, "attn_res_block_size", "must be positive")
         if self.experts_mxfp4:
+            expert_input = "routed_expert_hidden_size" if self.is_latent_moe else "hidden_size"
             for name, v in (("moe_intermediate_size", self.moe_intermediate_size),
-                            ("routed_expert_hidden_size", self.expert_input_size)):
+                            (expert_input, self.expert_input_size)):
                 need(v % 32 == 0, name, f"{v} is not a multiple of the MXFP4 group size 32")
 
     # ---- I/O ----------------------------------------------------------------------------

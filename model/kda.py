@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import K3Config
-from .norms import RMSNorm
+from .norms import RMSNorm, upcast
 
 CHUNK = 64
 
@@ -24,15 +24,15 @@ def lowerbound_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                     lower_bound: float) -> torch.Tensor:
     """K3: g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias)) in (lb, 0). z [..., H, K]."""
     H, K = z.shape[-2:]
-    a = A_log[:H].float().exp().unsqueeze(-1)
-    return lower_bound * torch.sigmoid(a * (z.float() + dt_bias.float().view(H, K)))
+    a = upcast(A_log[:H]).exp().unsqueeze(-1)
+    return lower_bound * torch.sigmoid(a * (upcast(z) + upcast(dt_bias).view(H, K)))
 
 
 def softplus_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     """Kimi Linear: g = -exp(A_log[h]) * softplus(z + dt_bias). z [..., H, K]."""
     H, K = z.shape[-2:]
-    a = A_log[:H].float().exp().unsqueeze(-1)
-    return -a * F.softplus(z.float() + dt_bias.float().view(H, K))
+    a = upcast(A_log[:H]).exp().unsqueeze(-1)
+    return -a * F.softplus(upcast(z) + upcast(dt_bias).view(H, K))
 
 
 # ---- step 2: causal depthwise short convolution ---------------------------------------------
@@ -49,7 +49,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tu
 
 # ---- step 6: L2 norm, eps inside the root ---------------------------------------------------
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    x = x.float()
+    x = upcast(x)
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
@@ -58,8 +58,8 @@ def kda_recurrent(q, k, v, g, beta, S):
     """S <- Diag(exp g_t) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T q_t.
 
     q is already L2-normalised and scaled; k is L2-normalised. Returns (o [B, T, H, V], S)."""
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
-    S = S.float()
+    q, k, v, g, beta = (upcast(t) for t in (q, k, v, g, beta))
+    S = upcast(S)
     outs = []
     for t in range(q.shape[1]):
         S = S * g[:, t].exp().unsqueeze(-1)
@@ -112,10 +112,10 @@ def kda_chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
     (g = 0, beta = 0, k = v = 0), run the chunks in order carrying S. Returns (o [B, T, H, V], S)."""
     B, T, H, K = q.shape
     pad = (-T) % chunk
-    to_bhtd = lambda x: F.pad(x.float(), (0, 0, 0, 0, 0, pad)).transpose(1, 2)  # noqa: E731
+    to_bhtd = lambda x: F.pad(upcast(x), (0, 0, 0, 0, 0, pad)).transpose(1, 2)  # noqa: E731
     q, k, v, g = (to_bhtd(x) for x in (q, k, v, g))
-    beta = F.pad(beta.float(), (0, 0, 0, pad)).transpose(1, 2)
-    S = S.float()
+    beta = F.pad(upcast(beta), (0, 0, 0, pad)).transpose(1, 2)
+    S = upcast(S)
     outs = []
     for c in range(0, T + pad, chunk):
         sl = slice(c, c + chunk)
@@ -168,11 +168,11 @@ class KimiDeltaAttention(nn.Module):
             g = lowerbound_gate(z, self.A_log, self.dt_bias, self.lower_bound)
         else:
             g = softplus_gate(z, self.A_log, self.dt_bias)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        beta = torch.sigmoid(upcast(self.b_proj(x)))
         q = l2norm(q) * K ** -0.5
         k = l2norm(k)
         op = torch.ops.k3.kda_step if decode else torch.ops.k3.kda_chunk
-        o, S = op(q, k, v.float(), g, beta, S)
-        gate = torch.sigmoid(self.output_gate(x).view(B, T, H, K).float())
+        o, S = op(q, k, upcast(v), g, beta, S)
+        gate = torch.sigmoid(upcast(self.output_gate(x).view(B, T, H, K)))
         y = (self.o_norm(o) * gate).to(x.dtype).reshape(B, T, H * K)
         return self.o_proj(y), (cq, ck, cv), S

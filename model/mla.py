@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import K3Config
-from .norms import RMSNorm
+from .norms import RMSNorm, upcast
 
 LORA_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm
 
@@ -83,10 +83,10 @@ class GatedMLA(nn.Module):
         L = cache.shape[1]
         W = self.kv_b_proj.weight.view(H, self.nope + self.dv, self.rank)
         W_UK, W_UV = W[:, :self.nope], W[:, self.nope:]
-        q_lat = torch.einsum("bthn,hnr->bthr", q_nope.float(), W_UK.float())
-        query = torch.cat((q_lat, q_pe.float()), dim=-1)                  # [B, T, H, rank + rope]
-        scores = torch.einsum("bthr,blr->bhtl", query, cache.float()) * self.scale
+        q_lat = torch.einsum("bthn,hnr->bthr", upcast(q_nope), upcast(W_UK))
+        query = torch.cat((q_lat, upcast(q_pe)), dim=-1)                  # [B, T, H, rank + rope]
+        scores = torch.einsum("bthr,blr->bhtl", query, upcast(cache)) * self.scale
         mask = torch.ones(T, L, dtype=torch.bool, device=cache.device).tril(L - T)
         p = scores.masked_fill(~mask, -torch.inf).softmax(dim=-1)
-        ctx = torch.einsum("bhtl,blr->bthr", p, cache[..., :self.rank].float())
-        return torch.einsum("bthr,hvr->bthv", ctx, W_UV.float())
+        ctx = torch.einsum("bhtl,blr->bthr", p, upcast(cache[..., :self.rank]))
+        return torch.einsum("bthr,hvr->bthv", ctx, upcast(W_UV))

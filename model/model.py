@@ -102,7 +102,8 @@ class K3Model(nn.Module):
         n_mla = cfg.layer_kinds.count("mla")
         return K3State(
             kda_conv=[torch.zeros(batch, 3, HK, W - 1, dtype=self.dtype, device=dev) for _ in range(n_kda)],
-            kda_S=[torch.zeros(batch, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim, device=dev)
+            kda_S=[torch.zeros(batch, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim, device=dev,
+                               dtype=torch.promote_types(self.dtype, torch.float32))
                    for _ in range(n_kda)],
             mla_cache=[torch.zeros(batch, 0, cfg.mla_cache_width, dtype=self.dtype, device=dev)
                        for _ in range(n_mla)])

@@ -12,17 +12,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import K3Config
-from .norms import RMSNorm
+from .norms import RMSNorm, upcast
 
 
 def situ(g: torch.Tensor, u: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
     """SiTU(g, u) = [b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)]; |SiTU| <= b1*b2; -> SwiGLU as b -> inf."""
-    g, u = g.float(), u.float()
+    g, u = upcast(g), upcast(u)
     return (beta1 * torch.tanh(g / beta1) * torch.sigmoid(g)) * (beta2 * torch.tanh(u / beta2))
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return F.silu(g.float()) * u.float()
+    return F.silu(upcast(g)) * upcast(u)
 
 
 def glu_act(act: str, beta1: float, beta2: float, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -70,8 +70,8 @@ class Expert(nn.Module):
 def route(cfg: K3Config, x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor):
     """s = sigmoid(x W_g^T) in fp32; top-k by s + bias (bias picks, never weighs);
     w = s_idx / (sum s_idx + 1e-20) * routed_scaling_factor. Returns (idx [N, k], w [N, k] fp32)."""
-    s = torch.sigmoid(x.float() @ gate_weight.float().t())
-    idx = torch.topk(s + bias.float(), cfg.num_experts_per_token, dim=-1).indices
+    s = torch.sigmoid(upcast(x) @ upcast(gate_weight).t())
+    idx = torch.topk(s + upcast(bias), cfg.num_experts_per_token, dim=-1).indices
     w = s.gather(-1, idx)
     if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
@@ -81,9 +81,10 @@ def route(cfg: K3Config, x: torch.Tensor, gate_weight: torch.Tensor, bias: torch
 def dense_expert_mix(cfg: K3Config, z, idx, w, W1, W3, W2):
     """sum_i w_i W2_e act(W1_e z, W3_e z) over every expert e, with w = 0 off the top-k: the
     static-shape form (compute grows with the number of experts). W* [E, out, in] float."""
-    dense_w = torch.zeros(z.shape[0], W1.shape[0], dtype=torch.float32, device=z.device).scatter(-1, idx, w)
-    h = glu(cfg, torch.einsum("nd,eid->nei", z.float(), W1.float()), torch.einsum("nd,eid->nei", z.float(), W3.float()))
-    return torch.einsum("nei,edi,ne->nd", h, W2.float(), dense_w)
+    z, W1, W2, W3 = (upcast(t) for t in (z, W1, W2, W3))
+    dense_w = z.new_zeros(z.shape[0], W1.shape[0]).scatter(-1, idx, w)
+    h = glu(cfg, torch.einsum("nd,eid->nei", z, W1), torch.einsum("nd,eid->nei", z, W3))
+    return torch.einsum("nei,edi,ne->nd", h, W2, dense_w)
 
 
 class MoE(nn.Module):
@@ -112,7 +113,7 @@ class MoE(nn.Module):
         cfg = self.cfg
         if cfg.experts_mxfp4:
             p = {n: (self.stacked(n, "weight_packed"), self.stacked(n, "weight_scale")) for n in ("w1", "w3", "w2")}
-            return torch.ops.k3.mxfp4_moe(z.float(), idx, w, *p["w1"], *p["w3"], *p["w2"], cfg.hidden_act,
+            return torch.ops.k3.mxfp4_moe(upcast(z), idx, w, *p["w1"], *p["w3"], *p["w2"], cfg.hidden_act,
                                           cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
         return dense_expert_mix(cfg, z, idx, w, *(self.stacked(n, "weight") for n in ("w1", "w3", "w2")))
 

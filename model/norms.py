@@ -1,14 +1,20 @@
-"""RMSNorm, computed in fp32 (spec §1 step 9, §2, §3, §4)."""
+"""RMSNorm, computed in fp32 (spec §1 step 9, §2, §3, §4), and the upcast every fp32 step uses."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32 for the steps the spec computes in fp32; a float64 x stays float64, so the whole
+    model can run in double precision as a reference for its own fp32 rounding."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight, in fp32, returned in x's dtype."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    xf = upcast(x)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * upcast(weight)
     return y.to(x.dtype)
 
 

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from . import kda, mxfp4
 from .moe import glu_act
+from .norms import upcast
 
 
 @torch.library.custom_op("k3::kda_chunk", mutates_args=())
@@ -31,7 +32,7 @@ def kda_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor
 @kda_chunk.register_fake
 @kda_step.register_fake
 def _kda_fake(q, k, v, g, beta, S):
-    return v.new_empty(v.shape, dtype=torch.float32), S.new_empty(S.shape, dtype=torch.float32)
+    return upcast(v.new_empty(v.shape)), upcast(S.new_empty(S.shape))
 
 
 @torch.library.custom_op("k3::mxfp4_moe", mutates_args=())
@@ -39,14 +40,15 @@ def mxfp4_moe(z: Tensor, idx: Tensor, w: Tensor,
               w1_packed: Tensor, w1_scale: Tensor, w3_packed: Tensor, w3_scale: Tensor,
               w2_packed: Tensor, w2_scale: Tensor, act: str, beta1: float, beta2: float) -> Tensor:
     """y = sum_i w_i W2_e act(W1_e z, W3_e z), e = idx_i, with MXFP4 expert weights stacked [E, out, in/2]
-    (+ scales [E, out, in/32]). z [N, L] fp32, idx [N, k] int64, w [N, k] fp32 -> y [N, L] fp32.
+    (+ scales [E, out, in/32]). z [N, L] fp32 (float64 in the double-precision reference), idx [N, k]
+    int64, w [N, k] -> y [N, L] in z's dtype.
     Reference: for each expert that was picked, dequantise it and run its tokens."""
-    y = torch.zeros(z.shape[0], w2_packed.shape[1], dtype=torch.float32, device=z.device)
+    y = z.new_zeros(z.shape[0], w2_packed.shape[1])
     for e in idx.unique().tolist():
         token, slot = (idx == e).nonzero(as_tuple=True)
-        W1 = mxfp4.dequantize(w1_packed[e], w1_scale[e])
-        W3 = mxfp4.dequantize(w3_packed[e], w3_scale[e])
-        W2 = mxfp4.dequantize(w2_packed[e], w2_scale[e])
+        W1 = mxfp4.dequantize(w1_packed[e], w1_scale[e], z.dtype)
+        W3 = mxfp4.dequantize(w3_packed[e], w3_scale[e], z.dtype)
+        W2 = mxfp4.dequantize(w2_packed[e], w2_scale[e], z.dtype)
         h = glu_act(act, beta1, beta2, z[token] @ W1.t(), z[token] @ W3.t())
         y.index_add_(0, token, (h @ W2.t()) * w[token, slot].unsqueeze(-1))
     return y
@@ -54,4 +56,4 @@ def mxfp4_moe(z: Tensor, idx: Tensor, w: Tensor,
 
 @mxfp4_moe.register_fake
 def _mxfp4_moe_fake(z, idx, w, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, act, beta1, beta2):
-    return z.new_empty((z.shape[0], w2_packed.shape[1]), dtype=torch.float32)
+    return z.new_empty((z.shape[0], w2_packed.shape[1]))

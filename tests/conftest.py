@@ -1,0 +1,42 @@
+"""Shared fixtures: fla-core's naive KDA references and seeded k3-tiny models."""
+from __future__ import annotations
+
+import pytest
+import torch
+from fla_reference import load_gates, load_naive  # tests/ is on sys.path (pytest's prepend import mode)
+
+from k3c.model import K3Config, K3Model
+from k3c.model.init import init_weights
+
+# The tests run many small ops; a second intra-op thread only adds synchronisation (several times
+# slower on a shared 2-core machine).
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def fla_naive():
+    """fla/ops/kda/naive.py: naive_recurrent_kda, naive_chunk_kda."""
+    return load_naive()
+
+
+@pytest.fixture(scope="session")
+def fla_gates():
+    """{'naive_kda_gate': ..., 'naive_kda_lowerbound_gate': ...} from fla/ops/kda/gate.py."""
+    return load_gates()
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg() -> K3Config:
+    return K3Config.preset("k3-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_cfg) -> K3Model:
+    """k3-tiny with seeded random weights, fp32, eval mode."""
+    return init_weights(K3Model(tiny_cfg), seed=0).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model64(tiny_cfg) -> K3Model:
+    """The same weights as ``tiny_model`` (drawn in fp32, widened exactly) in float64."""
+    return init_weights(K3Model(tiny_cfg), seed=0).double().eval()
