@@ -55,9 +55,11 @@ class GatedMLA(nn.Module):
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor, decode: bool = False):
-        """x [B, T, D]; cache [B, L, rank + rope] of the L tokens before. Returns (out, new cache)."""
-        cache = torch.cat((cache.to(x.dtype), self.latent(x)), dim=1)
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None, decode: bool = False):
+        """x [B, T, D]; cache [B, L, rank + rope] of the L tokens before, or None at the start of a
+        sequence. Returns (out, new cache)."""
+        latent = self.latent(x)
+        cache = latent if cache is None else torch.cat((cache.to(x.dtype), latent), dim=1)
         q_nope, q_pe = self.queries(x)
         o = self.attend_absorbed(q_nope, q_pe, cache) if decode else self.attend_naive(q_nope, q_pe, cache)
         return self.finish(x, o.to(x.dtype)), cache

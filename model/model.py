@@ -26,14 +26,17 @@ from .norms import RMSNorm
 class K3State:
     """Decode state. Per KDA layer: ``kda_conv`` [B, 3, H*K, W-1] (last W-1 pre-conv inputs of q, k, v)
     and ``kda_S`` [B, H, K, V] fp32. Per MLA layer: ``mla_cache`` [B, L, kv_lora_rank + rope], the
-    latent of the L tokens seen so far (L is the position of the next token)."""
+    latent of the L tokens seen so far (L is the position of the next token), None before any."""
     kda_conv: list[torch.Tensor] = field(default_factory=list)
     kda_S: list[torch.Tensor] = field(default_factory=list)
-    mla_cache: list[torch.Tensor] = field(default_factory=list)
+    mla_cache: list[torch.Tensor | None] = field(default_factory=list)
 
     @property
     def position(self) -> int:
-        return self.mla_cache[0].shape[1] if self.mla_cache else -1
+        """Tokens seen so far (from the MLA cache length; -1 for a model without MLA layers)."""
+        if not self.mla_cache:
+            return -1
+        return 0 if self.mla_cache[0] is None else self.mla_cache[0].shape[1]
 
 
 pytree.register_dataclass(K3State)
@@ -105,8 +108,7 @@ class K3Model(nn.Module):
             kda_S=[torch.zeros(batch, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim, device=dev,
                                dtype=torch.promote_types(self.dtype, torch.float32))
                    for _ in range(n_kda)],
-            mla_cache=[torch.zeros(batch, 0, cfg.mla_cache_width, dtype=self.dtype, device=dev)
-                       for _ in range(n_mla)])
+            mla_cache=[None] * n_mla)
 
     def layers_forward(self, tokens: torch.Tensor, state: K3State, decode: bool,
                        hidden: list[torch.Tensor] | None = None) -> torch.Tensor:

@@ -67,11 +67,24 @@ class Expert(nn.Module):
         self.w2 = ExpertLinear(dim, hidden, mxfp4)   # down
 
 
+def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last dim, largest first, by k rounds of argmax.
+    Same result as torch.topk for distinct scores; written this way because IREE 3.13's llvm-cpu
+    backend miscompiles every topk after the first in a function (one per MoE layer here)."""
+    experts = torch.arange(scores.shape[-1], device=scores.device)
+    picked = []
+    for _ in range(k):
+        i = scores.argmax(dim=-1, keepdim=True)
+        picked.append(i)
+        scores = scores.masked_fill(experts == i, float("-inf"))
+    return torch.cat(picked, dim=-1)
+
+
 def route(cfg: K3Config, x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor):
     """s = sigmoid(x W_g^T) in fp32; top-k by s + bias (bias picks, never weighs);
     w = s_idx / (sum s_idx + 1e-20) * routed_scaling_factor. Returns (idx [N, k], w [N, k] fp32)."""
     s = torch.sigmoid(upcast(x) @ upcast(gate_weight).t())
-    idx = torch.topk(s + upcast(bias), cfg.num_experts_per_token, dim=-1).indices
+    idx = top_k_indices(s + upcast(bias), cfg.num_experts_per_token)
     w = s.gather(-1, idx)
     if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
