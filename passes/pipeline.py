@@ -1,0 +1,43 @@
+"""The pass pipeline: the list of rewrites applied between the exporter and iree-compile."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from iree.compiler import ir
+
+from ..errors import K3Error
+from . import lowerings
+from .rewrite import custom_ops, lower_custom_op
+
+
+@dataclass
+class Rewrite:
+    op: str            # the torch.operator name it replaces
+    generator: object  # (sym, operand types, constants) -> MLIR texts
+    doc: str
+
+
+@dataclass
+class Pipeline:
+    """Rewrites in order; after them no ``torch.k3.*`` operator may remain."""
+    rewrites: list[Rewrite] = field(default_factory=lambda: [
+        Rewrite("torch.k3.kda_chunk", lowerings.kda_chunk, "chunkwise KDA: traced 64-token chunk in an scf.for"),
+        Rewrite("torch.k3.kda_step", lowerings.kda_step, "recurrent KDA step for decode"),
+        Rewrite("torch.k3.mxfp4_moe", lowerings.mxfp4_moe, "MXFP4 experts dequantised inside the matmuls"),
+    ])
+
+    def describe(self) -> str:
+        return "\n".join(f"{r.op:24s} -> {r.doc}" for r in self.rewrites)
+
+    def run(self, module: ir.Module, log=print) -> dict[str, int]:
+        counts = {}
+        for r in self.rewrites:
+            t0 = time.perf_counter()
+            counts[r.op] = lower_custom_op(module, r.op, r.generator)
+            log(f"{r.op}: {counts[r.op]} replaced in {time.perf_counter() - t0:.1f}s")
+        left = sorted({name for name, _ in custom_ops(module)})
+        if left:
+            raise K3Error(f"passes: no lowering for custom op(s) {', '.join(left)}")
+        module.operation.verify()
+        return counts

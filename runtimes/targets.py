@@ -1,0 +1,81 @@
+"""Targets: what ``--target`` accepts, the iree-compile flags for each, and what this host can run.
+
+    cpu                 llvm-cpu for this host's CPU (driver local-task)
+    cpu:x86-64          llvm-cpu for any x86-64 (portable; driver local-task)
+    cuda[:sm_XX]        NVIDIA (driver cuda); default sm_80. IREE 3.13 has no sm_90 target:
+                        cuda:sm_90 compiles for sm_80, whose code Hopper runs, with a warning
+    rocm[:gfxXXX]       AMD (driver hip); default gfx942
+    vulkan[:profile]    SPIR-V (driver vulkan); no profile = the profile of the device present
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from ..errors import K3Error
+
+ROCM_CHIPS = ("gfx90a", "gfx942", "gfx1100")
+CUDA_CHIPS = ("sm_80", "sm_86", "sm_89")
+VULKAN_PROFILES = ("llvmpipe", "rdna3", "ampere", "valhall")
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str        # canonical spelling, e.g. "cuda:sm_80"
+    backend: str     # IREE HAL target backend
+    driver: str      # IREE runtime driver
+    flags: tuple[str, ...]
+    note: str = ""   # a warning worth printing when this target is chosen
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "flags": list(self.flags)}
+
+
+def _local(cpu: str) -> tuple[str, ...]:
+    return ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
+            f"--iree-llvmcpu-target-cpu={cpu}")
+
+
+def parse_target(spec: str, vulkan_device: str | None = None) -> Target:
+    """``cpu``, ``cpu:x86-64``, ``cuda[:sm_XX]``, ``rocm[:gfxXXX]``, ``vulkan[:profile]`` -> Target."""
+    kind, _, arch = spec.partition(":")
+    if kind == "cpu":
+        if arch not in ("", "host", "x86-64"):
+            raise K3Error(f"target: unknown CPU variant {arch!r} in {spec!r} (use cpu or cpu:x86-64)")
+        return Target("cpu:x86-64" if arch == "x86-64" else "cpu", "llvm-cpu", "local-task",
+                      _local("x86-64" if arch == "x86-64" else "host"))
+    if kind == "cuda":
+        arch = arch or "sm_80"
+        note = ""
+        if arch == "sm_90":
+            arch, note = "sm_80", "IREE 3.13 has no sm_90 target; compiling for sm_80, which Hopper runs"
+        if arch not in CUDA_CHIPS:
+            raise K3Error(f"target: unsupported CUDA arch {arch!r} (known: {', '.join(CUDA_CHIPS)}, sm_90)")
+        return Target(f"cuda:{arch}", "cuda", "cuda",
+                      ("--iree-hal-target-device=cuda", f"--iree-cuda-target={arch}"), note)
+    if kind == "rocm":
+        arch = arch or "gfx942"
+        if arch not in ROCM_CHIPS:
+            raise K3Error(f"target: unsupported ROCm chip {arch!r} (known: {', '.join(ROCM_CHIPS)})")
+        return Target(f"rocm:{arch}", "rocm", "hip", ("--iree-hal-target-device=hip", f"--iree-rocm-target={arch}"))
+    if kind == "vulkan":
+        arch = arch or vulkan_device or "llvmpipe"
+        if arch not in VULKAN_PROFILES:
+            raise K3Error(f"target: unknown Vulkan profile {arch!r} (known: {', '.join(VULKAN_PROFILES)})")
+        return Target(f"vulkan:{arch}", "vulkan-spirv", "vulkan",
+                      ("--iree-hal-target-device=vulkan", f"--iree-vulkan-target={arch}"))
+    raise K3Error(f"target: unknown target {spec!r} (use cpu, cpu:x86-64, cuda[:sm_XX], rocm[:gfxXXX], vulkan[:profile])")
+
+
+def compile_mlir(mlir: str, target: Target, log=print) -> bytes:
+    """iree-compile a torch-dialect module (custom ops already lowered) for ``target``."""
+    import iree.compiler as ireec
+
+    t0 = time.perf_counter()
+    try:
+        vmfb = ireec.compile_str(mlir, input_type="torch", extra_args=list(target.flags))
+    except ireec.CompilerToolError as e:
+        first = next((line for line in str(e).splitlines() if "error:" in line), str(e).splitlines()[0])
+        raise K3Error(f"compile: iree-compile failed for {target.name}: {first.strip()}") from None
+    log(f"iree-compile for {target.name}: {len(vmfb) / 1e6:.2f} MB in {time.perf_counter() - t0:.1f}s")
+    return vmfb
