@@ -135,3 +135,136 @@ def quantize(in_dir, out_dir, show):
     table.caption = (f"{len(report)} tensors (largest {min(show, len(report))} shown): "
                      f"mean {sum(errors) / len(errors):.4f}, max {max(errors):.4f}")
     Console().print(table)
+
+
+def log(message: str) -> None:
+    """Progress lines on stderr, with the time since the command started."""
+    click.echo(f"[{time.perf_counter() - _START:6.1f}s] {message}", err=True)
+
+
+_START = time.perf_counter()
+
+
+def source_options(f):
+    f = click.option("--checkpoint", type=click.Path(file_okay=False), default=None,
+                     help="HF checkpoint directory (config.json + safetensors).")(f)
+    f = click.option("--preset", default=None, help="Built-in preset with seeded random weights (k3-tiny, k3-small).")(f)
+    f = click.option("--seed", default=0, show_default=True, help="Seed of a preset's random weights.")(f)
+    f = click.option("--max-prompt", default=64, show_default=True, type=click.IntRange(min=2),
+                     help="Longest prompt the compiled prefill accepts.")(f)
+    return f
+
+
+def one_source(preset, checkpoint):
+    if preset and checkpoint:
+        raise K3Error("give either --preset or --checkpoint, not both")
+    return (preset or (None if checkpoint else "k3-tiny")), checkpoint
+
+
+@main.command()
+@source_options
+@click.option("--emit-mlir", type=click.Path(file_okay=False), required=True,
+              help="Directory for torch.mlir (before passes) and lowered.mlir (after).")
+def export(preset, checkpoint, seed, max_prompt, emit_mlir):
+    """Export prefill/decode to torch-dialect MLIR and run the passes; writes both modules to --emit-mlir."""
+    import torch
+    from .artifacts.build import lower_model, stored_dtypes
+    from .model import K3Model
+    from .model.checkpoint import load_checkpoint, stored_dtype
+    from .model.init import init_weights
+    from .passes.pipeline import Pipeline
+    preset, checkpoint = one_source(preset, checkpoint)
+    if checkpoint:
+        model, dtypes = load_checkpoint(checkpoint), stored_dtypes(Path(checkpoint))
+    else:
+        model = init_weights(K3Model(load_config(preset, None)), seed)
+        dtypes = {k: stored_dtype(k, t) for k, t in model.state_dict().items()}
+    log("passes:\n" + Pipeline().describe())
+    with torch.no_grad():
+        lower_model(model, dtypes, max_prompt=max_prompt, emit_mlir=Path(emit_mlir), log=log)
+
+
+@main.command("compile")
+@source_options
+@click.option("--target", default="cpu", show_default=True, help="cpu, cpu:x86-64, cuda[:sm_XX], rocm[:gfxXXX], vulkan[:profile].")
+@click.option("-o", "--output", type=click.Path(file_okay=False), default=None, help="Bundle directory (default out/<name>-<target>).")
+def compile_cmd(preset, checkpoint, seed, max_prompt, target, output):
+    """Compile a checkpoint or preset for a target; writes a bundle (manifest, module, checkpoint, reference.npz)."""
+    bundle = _build(preset, checkpoint, seed, max_prompt, target, output)
+    click.echo(str(bundle.root))
+
+
+def _build(preset, checkpoint, seed, max_prompt, target, output):
+    from .artifacts.build import build_bundle
+    from .runtimes.targets import parse_target
+    preset, checkpoint = one_source(preset, checkpoint)
+    tgt = parse_target(target)
+    if tgt.note:
+        log(f"warning: {tgt.note}")
+    name = preset or Path(checkpoint).name
+    out = Path(output) if output else Path("out") / f"{name}-{tgt.name.replace(':', '-')}"
+    return build_bundle(out, tgt, preset=preset, checkpoint=Path(checkpoint) if checkpoint else None,
+                        seed=seed, max_prompt=max_prompt, log=log)
+
+
+def parse_ids(ctx, param, value: str) -> list[int]:
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of token ids") from None
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(file_okay=False))
+@click.option("--prompt-ids", required=True, callback=parse_ids, help="Comma-separated token ids, e.g. 1,2,3.")
+@click.option("-n", "n_tokens", default=16, show_default=True, type=click.IntRange(min=1), help="Tokens to generate.")
+def run(bundle, prompt_ids, n_tokens):
+    """Greedy generation with a compiled bundle; prints the ids and prefill/decode throughput."""
+    from .artifacts.bundle import open_bundle
+    from .runtimes.session import Session
+    session = Session(open_bundle(bundle))
+    gen = session.generate(prompt_ids, n_tokens)
+    click.echo(",".join(map(str, gen.ids)))
+    click.echo(f"prefill {gen.n_prompt} tokens: {gen.prefill_s * 1e3:.1f} ms ({gen.prefill_tok_s:.1f} tok/s); "
+               f"decode {len(gen.decode_s)} tokens: {gen.decode_tok_s:.1f} tok/s", err=True)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(file_okay=False), required=False)
+@source_options
+@click.option("--target", default="cpu", show_default=True, help="Target when building from --preset/--checkpoint.")
+@click.option("-o", "--output", type=click.Path(file_okay=False), default=None, help="Where to write the bundle it builds.")
+@click.option("--per-layer", is_flag=True, help="Also compare the residual stream after every layer.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
+def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_layer, json_out):
+    """Compare a bundle (or one built now from --preset/--checkpoint) against its PyTorch reference:
+    per step max abs/rel error, cosine, top-1/top-5 agreement; exit 1 on FAIL."""
+    from rich.console import Console
+    from rich.table import Table
+    from .artifacts.bundle import open_bundle
+    from .runtimes.validate import TOLERANCE, as_dicts, first_divergent, validate as run_validation
+    b = open_bundle(bundle) if bundle else _build(preset, checkpoint, seed, max_prompt, target, output)
+    tol = TOLERANCE[b.manifest.target["backend"]]
+    steps, layers = run_validation(b, per_layer)
+    table = Table(title=f"{b.root.name}: {b.manifest.target['name']} vs PyTorch (tolerance {tol:g} max abs)")
+    for col in ("step", "max abs", "max rel", "cosine", "top-1", "top-5", "result"):
+        table.add_column(col, justify="left" if col == "step" else "right")
+    for s in steps:
+        table.add_row(s.step, f"{s.max_abs:.2e}", f"{s.max_rel:.2e}", f"{s.cosine:.8f}", f"{s.top1:.3f}",
+                      f"{s.top5:.3f}", "PASS" if s.passed else "[red]FAIL[/red]")
+    Console().print(table)
+    if per_layer:
+        lt = Table(title="residual stream after each layer (prefill)")
+        for col in ("layer", "kind", "max abs", "max rel"):
+            lt.add_column(col, justify="right")
+        for lr in layers:
+            lt.add_row(str(lr.layer), lr.kind, f"{lr.max_abs:.2e}", f"{lr.max_rel:.2e}")
+        Console().print(lt)
+        bad = first_divergent(layers, tol)
+        click.echo(f"first divergent layer: {bad.layer} ({bad.kind})" if bad else "no layer diverges")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"bundle": str(b.root), "target": b.manifest.target["name"],
+                                              "tolerance": tol, "steps": as_dicts(steps), "layers": as_dicts(layers)}, indent=2))
+    ok = all(s.passed for s in steps)
+    click.echo("PASS" if ok else "FAIL")
+    sys.exit(0 if ok else 1)

@@ -1,0 +1,156 @@
+"""Build a bundle: checkpoint -> export -> passes -> iree-compile -> reference outputs -> sealed bundle.
+
+The compiled module depends only on the config, the stored dtypes, the target and the compiler
+inputs, never on weight values, so it is cached by a hash of those (``K3C_CACHE``, default
+``~/.cache/k3c``) and shared by every checkpoint of the same config.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import K3Error
+from ..model import K3Config, K3Model
+from ..model.checkpoint import TORCH_DTYPES, load_checkpoint, open_checked
+from ..model.convert import save_checkpoint
+from ..model.init import init_weights
+from ..runtimes.targets import Target, compile_mlir
+from .bundle import Bundle, Manifest, atomic_dir, hash_dir, open_bundle, package_versions, seal
+
+PROMPT_LEN = 24
+DECODE_STEPS = 8
+SOURCE_DIRS = ("model", "exporter", "passes")
+
+
+@dataclass
+class Compiled:
+    vmfb: bytes
+    entry_points: dict
+    key: str
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("K3C_CACHE", Path.home() / ".cache" / "k3c"))
+
+
+def _source_hash() -> str:
+    """Hash of the code that shapes the compiled module, so a code change misses the cache."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for d in SOURCE_DIRS:
+        for f in sorted((root / d).rglob("*.py")):
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def stored_dtypes(checkpoint: Path) -> dict[str, torch.dtype]:
+    _, ckpt = open_checked(checkpoint)
+    return {name: TORCH_DTYPES[e.dtype] for name, e in ckpt.entries.items()}
+
+
+def lower_model(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt: int, batch: int = 1,
+                emit_mlir: Path | None = None, log=print):
+    """Export ``model`` and run the passes; with ``emit_mlir``, write the module before and after them."""
+    from ..exporter.export import export_model
+    from ..passes.pipeline import Pipeline
+
+    exported = export_model(model, dtypes, batch=batch, max_prompt=max_prompt, log=log)
+    if emit_mlir is not None:
+        emit_mlir.mkdir(parents=True, exist_ok=True)
+        (emit_mlir / "torch.mlir").write_text(exported.text)
+    Pipeline().run(exported.module, log=log)
+    if emit_mlir is not None:
+        (emit_mlir / "lowered.mlir").write_text(exported.text)
+        log(f"wrote {emit_mlir / 'torch.mlir'} (before passes) and {emit_mlir / 'lowered.mlir'} (after)")
+    return exported
+
+
+def compile_model(model: K3Model, dtypes: dict[str, torch.dtype], target: Target, *, max_prompt: int,
+                  batch: int = 1, log=print) -> Compiled:
+    """Export, lower and compile ``model``, or fetch the module from the cache."""
+    key = hashlib.sha256(json.dumps({
+        "config": model.cfg.hash, "dtypes": {k: str(v) for k, v in sorted(dtypes.items())},
+        "target": target.to_dict(), "max_prompt": max_prompt, "batch": batch, "source": _source_hash(),
+        "versions": package_versions(),
+    }, sort_keys=True).encode()).hexdigest()[:24]
+    cached = _cache_dir() / key
+    if (cached / "module.vmfb").is_file():
+        log(f"compiled module found in cache ({cached})")
+        return Compiled((cached / "module.vmfb").read_bytes(), json.loads((cached / "entry_points.json").read_text()), key)
+    exported = lower_model(model, dtypes, max_prompt=max_prompt, batch=batch, log=log)
+    vmfb = compile_mlir(exported.text, target, log=log)
+    with atomic_dir(cached) as tmp:
+        (tmp / "module.vmfb").write_bytes(vmfb)
+        (tmp / "entry_points.json").write_text(json.dumps(exported.entry_points))
+    return Compiled(vmfb, exported.entry_points, key)
+
+
+def reference_outputs(model: K3Model, prompt: np.ndarray, n_decode: int) -> dict[str, np.ndarray]:
+    """PyTorch outputs for the validation prompt: every prefill position, then greedy decode steps
+    (decode_ids[i] is the argmax of the logits before it; decode_logits[i] the logits after it)."""
+    with torch.no_grad():
+        logits, state = model.prefill(torch.from_numpy(prompt)[None])
+        ids, steps = [], []
+        last = logits[0, -1]
+        for _ in range(n_decode):
+            ids.append(int(last.argmax()))
+            out, state = model.decode(torch.tensor([[ids[-1]]]), state)
+            last = out[0, -1]
+            steps.append(last)
+    return {"prompt_ids": prompt.astype(np.int64), "prefill_logits": logits[0].float().numpy(),
+            "decode_ids": np.array(ids, dtype=np.int64), "decode_logits": torch.stack(steps).float().numpy()}
+
+
+def validation_prompt(cfg: K3Config, length: int = PROMPT_LEN, seed: int = 0) -> np.ndarray:
+    return torch.randint(0, cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).numpy()
+
+
+def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkpoint: Path | None = None,
+                 seed: int = 0, max_prompt: int = 128, log=print) -> Bundle:
+    """Write a sealed bundle at ``out``. With ``preset``, a random checkpoint (``seed``) is created
+    inside the bundle; with ``checkpoint``, the bundle refers to it by absolute path and hash (Kimi
+    Linear checkpoints, whose names differ from the module's parameters, are converted into it)."""
+    if (preset is None) == (checkpoint is None):
+        raise K3Error("compile: give exactly one of --preset and --checkpoint")
+    out = Path(out)
+    t_start = time.perf_counter()
+    with atomic_dir(out) as tmp:
+        if preset is not None:
+            cfg = K3Config.preset(preset)
+            t0 = time.perf_counter()
+            save_checkpoint(init_weights(K3Model(cfg), seed), tmp / "checkpoint")
+            log(f"wrote random {preset} checkpoint (seed {seed}) in {time.perf_counter() - t0:.1f}s")
+            ck_dir, ck_ref = tmp / "checkpoint", "checkpoint"
+        else:
+            ck_dir = Path(checkpoint).resolve()
+            if not ck_dir.is_dir():
+                raise K3Error(f"compile: checkpoint directory {ck_dir} does not exist")
+            cfg = K3Config.from_hf(ck_dir)
+            ck_ref = str(ck_dir)
+        t0 = time.perf_counter()
+        model = load_checkpoint(ck_dir, dtype=torch.float32)
+        log(f"loaded checkpoint in {time.perf_counter() - t0:.1f}s")
+        if cfg.model_type != "kimi_k3":
+            save_checkpoint(model, tmp / "checkpoint")
+            ck_dir, ck_ref = tmp / "checkpoint", "checkpoint"
+            model = load_checkpoint(ck_dir, dtype=torch.float32)  # the reference runs what the module reads
+            log("converted the checkpoint to k3c tensor names inside the bundle")
+        compiled = compile_model(model, stored_dtypes(ck_dir), target, max_prompt=max_prompt, log=log)
+        (tmp / "module.vmfb").write_bytes(compiled.vmfb)
+        t0 = time.perf_counter()
+        prompt = validation_prompt(cfg, min(PROMPT_LEN, max_prompt))
+        np.savez(tmp / "reference.npz", **reference_outputs(model, prompt, DECODE_STEPS))
+        log(f"computed PyTorch reference outputs in {time.perf_counter() - t0:.1f}s")
+        manifest = Manifest(config=cfg.to_dict(), config_hash=cfg.hash, checkpoint_hash=hash_dir(ck_dir),
+                            checkpoint=ck_ref, target=target.to_dict(), entry_points=compiled.entry_points,
+                            batch=1, max_prompt=max_prompt)
+        seal(tmp, manifest)
+    log(f"bundle written to {out} in {time.perf_counter() - t_start:.1f}s")
+    return open_bundle(out)
