@@ -143,10 +143,13 @@ def open_bundle(path: str | Path) -> Bundle:
         if sha256_file(f) != digest:
             raise K3Error(f"bundle: file {rel} in {root} does not match its sha256 in the manifest (tampered or corrupt)")
     bundle = Bundle(root, manifest)
-    if not Path(manifest.checkpoint).is_absolute():
-        return bundle
     if not bundle.checkpoint_dir.is_dir():
         raise K3Error(f"bundle: checkpoint {bundle.checkpoint_dir} referenced by {root} is missing")
-    if hash_dir(bundle.checkpoint_dir) != manifest.checkpoint_hash:
+    if Path(manifest.checkpoint).is_absolute() and hash_dir(bundle.checkpoint_dir) != manifest.checkpoint_hash:
         raise K3Error(f"bundle: checkpoint {bundle.checkpoint_dir} changed since {root} was compiled")
+    from ..model.config import K3Config
+    config = K3Config.from_hf(bundle.checkpoint_dir)
+    if config.hash != manifest.config_hash or config.to_dict() != manifest.config:
+        raise K3Error(f"bundle: {root} was compiled for config {manifest.config_hash}, but its checkpoint "
+                      f"{bundle.checkpoint_dir} has config {config.hash}")
     return bundle
