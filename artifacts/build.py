@@ -72,24 +72,51 @@ def lower_model(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt: i
     return exported
 
 
+def _key(**parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def export_cached(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt: int, batch: int = 1, log=print):
+    """The torch-dialect module (before passes) and its entry points, from the cache when the config,
+    dtypes, shapes, k3c sources and package versions match; exported (and cached) otherwise."""
+    from iree.compiler import ir
+
+    from ..exporter.export import export_model
+
+    cached = _cache_dir() / "export" / _key(
+        config=model.cfg.hash, dtypes={k: str(v) for k, v in sorted(dtypes.items())}, max_prompt=max_prompt,
+        batch=batch, source=_source_hash(), versions=package_versions())
+    if (cached / "torch.mlir").is_file():
+        log(f"exported module found in cache ({cached})")
+        module = ir.Module.parse((cached / "torch.mlir").read_text(), context=ir.Context())
+        return module, json.loads((cached / "entry_points.json").read_text())
+    exported = export_model(model, dtypes, batch=batch, max_prompt=max_prompt, log=log)
+    with atomic_dir(cached) as tmp:
+        (tmp / "torch.mlir").write_text(exported.text)
+        (tmp / "entry_points.json").write_text(json.dumps(exported.entry_points))
+    return exported.module, exported.entry_points
+
+
 def compile_model(model: K3Model, dtypes: dict[str, torch.dtype], target: Target, *, max_prompt: int,
                   batch: int = 1, log=print) -> Compiled:
-    """Export, lower and compile ``model``, or fetch the module from the cache."""
-    key = hashlib.sha256(json.dumps({
-        "config": model.cfg.hash, "dtypes": {k: str(v) for k, v in sorted(dtypes.items())},
-        "target": target.to_dict(), "max_prompt": max_prompt, "batch": batch, "source": _source_hash(),
-        "versions": package_versions(),
-    }, sort_keys=True).encode()).hexdigest()[:24]
+    """Export (once per config, shared by every target), lower and compile ``model`` for ``target``,
+    or fetch the compiled module from the cache."""
+    from ..passes.pipeline import Pipeline
+
+    key = _key(config=model.cfg.hash, dtypes={k: str(v) for k, v in sorted(dtypes.items())},
+               target=target.to_dict(), max_prompt=max_prompt, batch=batch, source=_source_hash(),
+               versions=package_versions())
     cached = _cache_dir() / key
     if (cached / "module.vmfb").is_file():
         log(f"compiled module found in cache ({cached})")
         return Compiled((cached / "module.vmfb").read_bytes(), json.loads((cached / "entry_points.json").read_text()), key)
-    exported = lower_model(model, dtypes, max_prompt=max_prompt, batch=batch, log=log)
-    vmfb = compile_mlir(exported.text, target, log=log)
+    module, entry_points = export_cached(model, dtypes, max_prompt=max_prompt, batch=batch, log=log)
+    Pipeline().run(module, log=log)
+    vmfb = compile_mlir(str(module), target, log=log)
     with atomic_dir(cached) as tmp:
         (tmp / "module.vmfb").write_bytes(vmfb)
-        (tmp / "entry_points.json").write_text(json.dumps(exported.entry_points))
-    return Compiled(vmfb, exported.entry_points, key)
+        (tmp / "entry_points.json").write_text(json.dumps(entry_points))
+    return Compiled(vmfb, entry_points, key)
 
 
 def reference_outputs(model: K3Model, prompt: np.ndarray, n_decode: int) -> dict[str, np.ndarray]:
