@@ -268,3 +268,12 @@ def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_l
     ok = all(s.passed for s in steps)
     click.echo("PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
+
+
+@main.command()
+def targets():
+    """What --target accepts: per target, whether this host compiles for it (a probe compile), runs it
+    (driver and a matching device present), and the device found. Writes nothing."""
+    from rich.console import Console
+    from .runtimes.targets import targets_table
+    Console().print(targets_table())

@@ -4,7 +4,8 @@
   the same function the reference runs) is traced with static shapes; a short hand-written
   ``scf.for`` walks the dynamic number of chunks carrying the state. The tail chunk is padded with
   tokens that change nothing (g = 0, beta = 0, k = v = 0).
-- ``torch.k3.kda_step``: the recurrent form for the decode token(s), traced as is.
+- ``torch.k3.kda_step``: the recurrent form for the decode token(s), traced as is; for SPIR-V the
+  same recurrence on the transposed state (``kda_step_v_major``).
 - ``torch.k3.mxfp4_moe``: experts stay 4-bit in memory; dequantisation happens inside the expert
   matmuls. Decode (a static handful of tokens) gathers the picked experts' packed rows; prefill
   (a dynamic token count) dequantises every expert once and mixes densely with zero weights off
@@ -17,11 +18,31 @@ import torch
 
 from ..model import kda, mxfp4
 from ..model.moe import glu_act
+from ..model.norms import upcast
 from .trace import TensorType, trace_to_linalg
 
 
 def kda_step(sym: str, ins: list[TensorType], consts: list) -> list[str]:
     return [trace_to_linalg(kda.kda_recurrent, ins, sym)]
+
+
+def _recurrent_v_major(q, k, v, g, beta, S):
+    """kda.kda_recurrent with the state held transposed, [B, H, V, K], so that S^T k and S^T q reduce
+    over the innermost dim. IREE 3.13's SPIR-V code for the K-major form (S^T k fused with the
+    rank-1 update S + beta k (v - S^T k)^T, whose innermost dim is V) is wrong on llvmpipe."""
+    q, k, v, g, beta = (upcast(t) for t in (q, k, v, g, beta))
+    St = upcast(S).transpose(-1, -2)
+    outs = []
+    for t in range(q.shape[1]):
+        St = St * g[:, t].exp().unsqueeze(-2)
+        pred = (St * k[:, t].unsqueeze(-2)).sum(-1)
+        St = St + (v[:, t] - pred).unsqueeze(-1) * (beta[:, t, :, None] * k[:, t]).unsqueeze(-2)
+        outs.append((St * q[:, t].unsqueeze(-2)).sum(-1))
+    return torch.stack(outs, dim=1), St.transpose(-1, -2)
+
+
+def kda_step_v_major(sym: str, ins: list[TensorType], consts: list) -> list[str]:
+    return [trace_to_linalg(_recurrent_v_major, ins, sym)]
 
 
 def _chunk_body(q, k, v, g, beta, S):

@@ -18,6 +18,13 @@ class Rewrite:
     doc: str
 
 
+# per target backend, the rewrites that replace a default one
+VARIANTS = {
+    "vulkan-spirv": [Rewrite("torch.k3.kda_step", lowerings.kda_step_v_major,
+                             "recurrent KDA step on the V-major state (SPIR-V: reductions innermost)")],
+}
+
+
 @dataclass
 class Pipeline:
     """Rewrites in order; after them no ``torch.k3.*`` operator may remain."""
@@ -26,6 +33,12 @@ class Pipeline:
         Rewrite("torch.k3.kda_step", lowerings.kda_step, "recurrent KDA step for decode"),
         Rewrite("torch.k3.mxfp4_moe", lowerings.mxfp4_moe, "MXFP4 experts dequantised inside the matmuls"),
     ])
+
+    @classmethod
+    def for_target(cls, target) -> "Pipeline":
+        """The default rewrites with ``target``'s variants (a runtimes.targets.Target) in their place."""
+        variants = {r.op: r for r in VARIANTS.get(target.backend, [])}
+        return cls([variants.get(r.op, r) for r in cls().rewrites])
 
     def describe(self) -> str:
         return "\n".join(f"{r.op:24s} -> {r.doc}" for r in self.rewrites)

@@ -6,13 +6,16 @@
                         cuda:sm_90 compiles for sm_80, whose code Hopper runs, with a warning
     rocm[:gfxXXX]       AMD (driver hip); default gfx942
     vulkan[:profile]    SPIR-V (driver vulkan); no profile = the profile of the device present
+                        (runtimes/device.py); a module runs right only on a device of its profile
 """
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from functools import cache
 
 from ..errors import K3Error
+from . import device
 
 ROCM_CHIPS = ("gfx90a", "gfx942", "gfx1100")
 CUDA_CHIPS = ("sm_80", "sm_86", "sm_89")
@@ -36,8 +39,9 @@ def _local(cpu: str) -> tuple[str, ...]:
             f"--iree-llvmcpu-target-cpu={cpu}")
 
 
-def parse_target(spec: str, vulkan_device: str | None = None) -> Target:
-    """``cpu``, ``cpu:x86-64``, ``cuda[:sm_XX]``, ``rocm[:gfxXXX]``, ``vulkan[:profile]`` -> Target."""
+def parse_target(spec: str) -> Target:
+    """``cpu``, ``cpu:x86-64``, ``cuda[:sm_XX]``, ``rocm[:gfxXXX]``, ``vulkan[:profile]`` -> Target.
+    ``vulkan`` alone takes the profile of the Vulkan device here (K3Error when there is none)."""
     kind, _, arch = spec.partition(":")
     if kind == "cpu":
         if arch not in ("", "host", "x86-64"):
@@ -59,7 +63,7 @@ def parse_target(spec: str, vulkan_device: str | None = None) -> Target:
             raise K3Error(f"target: unsupported ROCm chip {arch!r} (known: {', '.join(ROCM_CHIPS)})")
         return Target(f"rocm:{arch}", "rocm", "hip", ("--iree-hal-target-device=hip", f"--iree-rocm-target={arch}"))
     if kind == "vulkan":
-        arch = arch or vulkan_device or "llvmpipe"
+        arch = arch or device.detect_vulkan_profile()
         if arch not in VULKAN_PROFILES:
             raise K3Error(f"target: unknown Vulkan profile {arch!r} (known: {', '.join(VULKAN_PROFILES)})")
         return Target(f"vulkan:{arch}", "vulkan-spirv", "vulkan",
@@ -79,3 +83,57 @@ def compile_mlir(mlir: str, target: Target, log=print) -> bytes:
         raise K3Error(f"compile: iree-compile failed for {target.name}: {first.strip()}") from None
     log(f"iree-compile for {target.name}: {len(vmfb) / 1e6:.2f} MB in {time.perf_counter() - t0:.1f}s")
     return vmfb
+
+
+# every target --target names, one per chip or profile (cuda:sm_90 is cuda:sm_80)
+KNOWN_TARGETS = ("cpu", "cpu:x86-64", *(f"cuda:{c}" for c in CUDA_CHIPS), *(f"rocm:{c}" for c in ROCM_CHIPS),
+                 *(f"vulkan:{p}" for p in VULKAN_PROFILES))
+
+PROBE = """func.func @probe(%x: tensor<4x8xf32>) -> tensor<4xf32> {
+  %zero = arith.constant dense<0.0> : tensor<4xf32>
+  %sum = linalg.reduce ins(%x : tensor<4x8xf32>) outs(%zero : tensor<4xf32>) dimensions = [1]
+    (%a: f32, %b: f32) { %s = arith.addf %a, %b : f32  linalg.yield %s : f32 }
+  return %sum : tensor<4xf32>
+}"""
+
+
+@cache
+def compiles_here(target: Target) -> bool:
+    """Whether this iree-compile builds a small reduction for ``target`` (probed once per process)."""
+    try:
+        compile_mlir(PROBE, target, log=lambda _: None)
+    except K3Error:
+        return False
+    return True
+
+
+def runs_here(target: Target) -> bool:
+    """Whether ``target``'s driver has a device here that its modules run on."""
+    try:
+        device.check_device(target)
+    except K3Error:
+        return False
+    return True
+
+
+def targets_table():
+    """``k3c targets``: every known target, whether it compiles and runs here, the device found.
+    The probes compile in parallel (each is an iree-compile process)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rich.progress import track
+    from rich.table import Table
+
+    targets = [parse_target(spec) for spec in KNOWN_TARGETS]
+    with ThreadPoolExecutor() as pool:
+        compiles = list(track(pool.map(compiles_here, targets), total=len(targets),
+                              description="probing iree-compile", transient=True))
+    table = Table(title="k3c targets")
+    for column in ("target", "driver", "compile here", "run here"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("device found")
+    yes_no = {True: "[green]yes[/]", False: "[red]no[/]"}
+    for t, ok in zip(targets, compiles):
+        found = device.devices(t.driver)
+        table.add_row(t.name, t.driver, yes_no[ok], yes_no[runs_here(t)], found[0] if found else "-")
+    return table
