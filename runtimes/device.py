@@ -46,16 +46,16 @@ def detect_vulkan_profile() -> str:
 
 def check_device(target) -> None:
     """Refuse, with K3Error, to run a module compiled for ``target`` (a runtimes.targets.Target)
-    where its driver has no device, or where the Vulkan device is not of the target's profile."""
+    where its driver has no device, or where the Vulkan device a session opens (the driver's first)
+    is not of the target's profile."""
     found = devices(target.driver)
     if not found:
         raise K3Error(f"device: no {target.driver} device here to run a {target.name} bundle")
     if target.driver == "vulkan":
-        profile = target.name.partition(":")[2]
-        here = [vulkan_profile(name) for name in found]
-        if profile not in here:
+        here = vulkan_profile(found[0])
+        if target.name != f"vulkan:{here}":
             raise K3Error(f"device: bundle compiled for {target.name} but the Vulkan device here is "
-                          f"{found[0]!r} (profile {here[0] or 'unknown'}); recompile with --target vulkan")
+                          f"{found[0]!r} (profile {here or 'unknown'}); recompile with --target vulkan")
 
 
 def read_back(array: rt.DeviceArray) -> np.ndarray:

@@ -102,6 +102,13 @@ def test_bundle_for_another_vulkan_profile_is_refused(monkeypatch):
         device.check_device(parse_target("cuda"))
 
 
+def test_vulkan_bundle_must_match_the_first_device_the_one_a_session_opens(monkeypatch):
+    monkeypatch.setattr(device, "devices", lambda driver: ("NVIDIA H200", LLVMPIPE))
+    device.check_device(parse_target("vulkan:ampere"))
+    with pytest.raises(K3Error, match="compiled for vulkan:llvmpipe but the Vulkan device here is 'NVIDIA H200'"):
+        device.check_device(parse_target("vulkan:llvmpipe"))
+
+
 @no_vulkan
 def test_real_vulkan_device_refuses_other_profiles():
     here = parse_target("vulkan")
