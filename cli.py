@@ -163,17 +163,32 @@ def one_source(preset, checkpoint):
 
 @main.command()
 @source_options
-@click.option("--emit-mlir", type=click.Path(file_okay=False), required=True,
-              help="Directory for torch.mlir (before passes) and lowered.mlir (after).")
-def export(preset, checkpoint, seed, max_prompt, emit_mlir):
-    """Export prefill/decode to torch-dialect MLIR and run the passes; writes both modules to --emit-mlir."""
+@click.option("--format", "fmt", type=click.Choice(["mlir", "onnx"]), default="mlir", show_default=True,
+              help="mlir: torch.mlir (before passes) and lowered.mlir (after); onnx: prefill.onnx and "
+                   "decode.onnx (k3 custom ops as nodes of the domain k3), checkpoint/ and k3c-onnx.json.")
+@click.option("-o", "--output", type=click.Path(file_okay=False), default=None, help="Output directory.")
+@click.option("--emit-mlir", type=click.Path(file_okay=False), default=None,
+              help="Same as --format mlir -o DIR.")
+def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir):
+    """Export prefill/decode: to torch-dialect MLIR, running the passes (--format mlir), or to ONNX with
+    the weights as external data in the checkpoint written beside the models (--format onnx)."""
+    preset, checkpoint = one_source(preset, checkpoint)
+    if emit_mlir and (output or fmt == "onnx"):
+        raise K3Error("export: --emit-mlir DIR stands for --format mlir -o DIR; give one of them")
+    out = output or emit_mlir
+    if not out:
+        raise K3Error("export: give the output directory with -o OUT_DIR")
+    if fmt == "onnx":
+        from .exporter.onnx_export import export_onnx
+        export_onnx(Path(out), preset=preset, checkpoint=Path(checkpoint) if checkpoint else None, seed=seed,
+                    max_prompt=max_prompt, log=log)
+        return
     import torch
     from .artifacts.build import lower_model, stored_dtypes
     from .model import K3Model
     from .model.checkpoint import load_checkpoint, stored_dtype
     from .model.init import init_weights
     from .passes.pipeline import Pipeline
-    preset, checkpoint = one_source(preset, checkpoint)
     if checkpoint:
         model, dtypes = load_checkpoint(checkpoint), stored_dtypes(Path(checkpoint))
     else:
@@ -181,28 +196,35 @@ def export(preset, checkpoint, seed, max_prompt, emit_mlir):
         dtypes = {k: stored_dtype(k, t) for k, t in model.state_dict().items()}
     log("passes:\n" + Pipeline().describe())
     with torch.no_grad():
-        lower_model(model, dtypes, max_prompt=max_prompt, emit_mlir=Path(emit_mlir), log=log)
+        lower_model(model, dtypes, max_prompt=max_prompt, emit_mlir=Path(out), log=log)
 
 
 @main.command("compile")
 @source_options
 @click.option("--target", default="cpu", show_default=True, help="cpu, cpu:x86-64, cuda[:sm_XX], rocm[:gfxXXX], vulkan[:profile].")
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None, help="Bundle directory (default out/<name>-<target>).")
-def compile_cmd(preset, checkpoint, seed, max_prompt, target, output):
+@click.option("--onnx", "onnx_dir", type=click.Path(file_okay=False), default=None,
+              help="Compile an ONNX export directory (k3c export --format onnx) instead of --preset/--checkpoint; "
+                   "its weights and max prompt come with it.")
+def compile_cmd(preset, checkpoint, seed, max_prompt, target, output, onnx_dir):
     """Compile a checkpoint or preset for a target; writes a bundle (manifest, module, checkpoint, reference.npz)."""
-    bundle = _build(preset, checkpoint, seed, max_prompt, target, output)
+    bundle = _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir)
     click.echo(str(bundle.root))
 
 
-def _build(preset, checkpoint, seed, max_prompt, target, output):
-    from .artifacts.build import build_bundle
+def _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir=None):
+    from .artifacts.build import build_bundle, build_bundle_from_onnx
     from .runtimes.targets import parse_target
-    preset, checkpoint = one_source(preset, checkpoint)
+    if onnx_dir and (preset or checkpoint):
+        raise K3Error("compile: --onnx brings its own weights; drop --preset/--checkpoint")
+    preset, checkpoint = (None, None) if onnx_dir else one_source(preset, checkpoint)
     tgt = parse_target(target)
     if tgt.note:
         log(f"warning: {tgt.note}")
-    name = preset or Path(checkpoint).name
+    name = Path(onnx_dir).name if onnx_dir else preset or Path(checkpoint).name
     out = Path(output) if output else Path("out") / f"{name}-{tgt.name.replace(':', '-')}"
+    if onnx_dir:
+        return build_bundle_from_onnx(out, tgt, Path(onnx_dir), log=log)
     return build_bundle(out, tgt, preset=preset, checkpoint=Path(checkpoint) if checkpoint else None,
                         seed=seed, max_prompt=max_prompt, log=log)
 

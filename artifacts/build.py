@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,14 +171,48 @@ def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkp
             model = load_checkpoint(ck_dir, dtype=torch.float32)  # the reference runs what the module reads
             log("converted the checkpoint to k3c tensor names inside the bundle")
         compiled = compile_model(model, stored_dtypes(ck_dir), target, max_prompt=max_prompt, log=log)
-        (tmp / "module.vmfb").write_bytes(compiled.vmfb)
-        t0 = time.perf_counter()
-        prompt = validation_prompt(cfg, min(PROMPT_LEN, max_prompt))
-        np.savez(tmp / "reference.npz", **reference_outputs(model, prompt, DECODE_STEPS))
-        log(f"computed PyTorch reference outputs in {time.perf_counter() - t0:.1f}s")
-        manifest = Manifest(config=cfg.to_dict(), config_hash=cfg.hash, checkpoint_hash=hash_dir(ck_dir),
-                            checkpoint=ck_ref, target=target.to_dict(), entry_points=compiled.entry_points,
-                            batch=1, max_prompt=max_prompt)
-        seal(tmp, manifest)
+        _seal_bundle(tmp, model, ck_dir, ck_ref, compiled.vmfb, compiled.entry_points, target, max_prompt, log)
+    log(f"bundle written to {out} in {time.perf_counter() - t_start:.1f}s")
+    return open_bundle(out)
+
+
+def _seal_bundle(tmp: Path, model: K3Model, ck_dir: Path, ck_ref: str, vmfb: bytes, entry_points: dict,
+                 target: Target, max_prompt: int, log) -> None:
+    """Write the module and the PyTorch reference outputs of ``model`` into ``tmp`` and seal it."""
+    cfg = model.cfg
+    (tmp / "module.vmfb").write_bytes(vmfb)
+    t0 = time.perf_counter()
+    prompt = validation_prompt(cfg, min(PROMPT_LEN, max_prompt))
+    np.savez(tmp / "reference.npz", **reference_outputs(model, prompt, DECODE_STEPS))
+    log(f"computed PyTorch reference outputs in {time.perf_counter() - t0:.1f}s")
+    manifest = Manifest(config=cfg.to_dict(), config_hash=cfg.hash, checkpoint_hash=hash_dir(ck_dir),
+                        checkpoint=ck_ref, target=target.to_dict(), entry_points=entry_points,
+                        batch=1, max_prompt=max_prompt)
+    seal(tmp, manifest)
+
+
+def build_bundle_from_onnx(out: Path, target: Target, onnx_dir: Path, log=print) -> Bundle:
+    """A sealed bundle from an ONNX export directory (exporter/onnx_export.py): its models imported
+    (exporter/onnx_import.py) and lowered by the same passes as the torch front end, its checkpoint
+    carried into the bundle, reference.npz from the PyTorch model on that checkpoint."""
+    from ..exporter.onnx_import import import_onnx
+    from ..passes.pipeline import Pipeline
+
+    out, onnx_dir = Path(out), Path(onnx_dir)
+    t_start = time.perf_counter()
+    imported = import_onnx(onnx_dir, log=log)
+    source = imported.manifest
+    ck_src = onnx_dir / source["checkpoint"]
+    if not ck_src.is_dir() or hash_dir(ck_src) != source["checkpoint_hash"]:
+        raise K3Error(f"compile: checkpoint {ck_src} of {onnx_dir} is missing or changed since the export")
+    with atomic_dir(out) as tmp:
+        shutil.copytree(ck_src, tmp / "checkpoint")
+        model = load_checkpoint(tmp / "checkpoint", dtype=torch.float32)
+        Pipeline.for_target(target).run(imported.module, log=log)
+        vmfb = compile_mlir(str(imported.module), target, log=log)
+        entry_points = {**source["entry_points"],
+                        "front_end": f"onnx {onnx_dir.resolve()} (opsets {source['opset_imports']})"}
+        _seal_bundle(tmp, model, tmp / "checkpoint", "checkpoint", vmfb, entry_points, target,
+                     source["max_prompt"], log)
     log(f"bundle written to {out} in {time.perf_counter() - t_start:.1f}s")
     return open_bundle(out)

@@ -120,10 +120,10 @@ def _mlir_dtype(dtype: torch.dtype) -> str:
     return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64"}[dtype]
 
 
-def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch: int = 1,
-                 max_prompt: int = 128, log=print) -> ExportedModule:
-    """Export prefill and decode of ``model`` (already in its compute dtype) into one module whose
-    parameters are read at ``stored_dtypes`` (checkpoint tensor name -> dtype on disk)."""
+def trace_entry_points(model: K3Model, *, batch: int = 1, max_prompt: int = 128, log=print):
+    """torch.export of prefill (T dynamic in [1, max_prompt]) and decode (MLA cache length L dynamic)
+    for ``model`` (eval, in its compute dtype): (prefill, decode, example state flattened, timings).
+    Both front ends (torch-mlir here, ONNX in onnx_export.py) start from these programs."""
     cfg = model.cfg
     if max_prompt < 2 or max_prompt >= cfg.max_position_embeddings:
         raise K3Error(f"export: max_prompt {max_prompt} must lie in [2, {cfg.max_position_embeddings})")
@@ -147,7 +147,16 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         decode = export(_Decode(model, spec), (example[:, :1], *flat), dynamic_shapes=(None, dyn))
         timings["export_decode_s"] = time.perf_counter() - t0
         log(f"exported decode in {timings['export_decode_s']:.1f}s")
+    return prefill, decode, flat, timings
 
+
+def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch: int = 1,
+                 max_prompt: int = 128, log=print) -> ExportedModule:
+    """Export prefill and decode of ``model`` (already in its compute dtype) into one module whose
+    parameters are read at ``stored_dtypes`` (checkpoint tensor name -> dtype on disk)."""
+    cfg = model.cfg
+    prefill, decode, flat, timings = trace_entry_points(model, batch=batch, max_prompt=max_prompt, log=log)
+    with torch.no_grad():
         t0 = time.perf_counter()
         table = get_decomposition_table()
         prefill, decode = prefill.run_decompositions(table), decode.run_decompositions(table)

@@ -1,0 +1,156 @@
+"""An ONNX export directory (onnx_export.py) -> the torch-dialect module the torch front end gives.
+
+    check each model (opset, custom ops, external data)  -> ONNX shape inference
+    -> torch-mlir's ONNX importer (IREE's copy): prefill and decode as two functions of one module;
+       each external-data initializer becomes ``util.global`` ``#flow.parameter.named<"model"::"<name>">``
+       at its stored dtype, shared by both functions, so the bundle reads the checkpoint at run time
+    -> passes.onnx_ops.to_k3_ops: k3-domain nodes -> ``torch.operator "torch.k3.*"``
+    -> convert-torch-onnx-to-torch: the remaining ONNX nodes -> torch ops
+
+From there Pipeline() lowers the k3 ops exactly as for the torch front end.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+from iree.compiler import ir, passmanager
+from iree.compiler.dialects import util
+from iree.compiler.extras import onnx_importer
+from iree.compiler.tools.import_onnx.importer_externalization_overrides import ELEM_TYPE_TO_SIGNLESS_IR_TYPE
+
+from ..errors import K3Error
+from ..passes.onnx_ops import ONNX_TO_K3, to_k3_ops
+from .export import SCOPE
+from .onnx_export import MANIFEST
+from .onnx_ops import DOMAIN, DOMAIN_VERSION, OPSET
+
+ENTRY_POINTS = ("prefill", "decode")
+
+
+@dataclass
+class ImportedModule:
+    module: ir.Module
+    manifest: dict        # the export directory's k3c-onnx.json
+
+
+def load_checked(path: Path) -> onnx.ModelProto:
+    """Load one ONNX model (external data left on disk) after checking what k3c can compile: the
+    default opset k3c exports, only the k3 custom ops, every external-data file present; then
+    ``onnx.checker`` with full_check. Each problem is a one-line K3Error naming it."""
+    if not path.is_file():
+        raise K3Error(f"onnx: {path} does not exist")
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except (DecodeError, ValueError) as e:
+        raise K3Error(f"onnx: {path} is not an ONNX model ({e})") from None
+    for opset in model.opset_import:
+        domain = opset.domain or "ai.onnx"
+        supported = {"ai.onnx": OPSET, DOMAIN: DOMAIN_VERSION}.get(domain)
+        if opset.version != supported:
+            want = f"k3c reads {domain} version {supported}" if supported else "k3c knows only ai.onnx and k3"
+            raise K3Error(f"onnx: {path.name} imports opset {domain} version {opset.version}, which k3c does not support ({want})")
+    for node in model.graph.node:
+        if node.domain not in ("", "ai.onnx") and (node.domain != DOMAIN or node.op_type not in ONNX_TO_K3):
+            raise K3Error(f"onnx: {path.name}: node {node.name!r} is the unknown custom op {node.domain}.{node.op_type} "
+                          f"(k3c knows {', '.join(f'{DOMAIN}.{op}' for op in ONNX_TO_K3)})")
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = next(e.value for e in tensor.external_data if e.key == "location")
+            if not (path.parent / location).is_file():
+                raise K3Error(f"onnx: {path.name}: external data file {location} of initializer "
+                              f"{tensor.name!r} is missing from {path.parent}")
+    try:
+        onnx.checker.check_model(path, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        raise K3Error(f"onnx: {path.name} fails onnx.checker: {str(e).strip().splitlines()[0]}") from None
+    return model
+
+
+def matvec_as_matmul(model: onnx.ModelProto) -> None:
+    """Rewrite each MatMul of an N-D (N >= 3) tensor by a vector as Squeeze(MatMul(A, Unsqueeze(b)), -1),
+    the same product: IREE 3.13 cannot lower that form of torch.aten.matmul (the torch front end
+    never meets it: torch's decompositions turn it into mm)."""
+    graph = model.graph
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*graph.value_info, *graph.input, *graph.output)}
+    ranks.update({t.name: len(t.dims) for t in graph.initializer})
+    nodes = []
+    for node in graph.node:
+        a, b = node.input[:2] if node.op_type == "MatMul" else ("", "")
+        if node.op_type != "MatMul" or ranks.get(b) != 1 or ranks.get(a, 0) < 3:
+            nodes.append(node)
+            continue
+        axes, column, product = (f"{node.name}/{x}" for x in ("axes", "column", "product"))
+        nodes += [onnx.helper.make_node("Constant", [], [axes], value=onnx.numpy_helper.from_array(np.array([-1]))),
+                  onnx.helper.make_node("Unsqueeze", [b, axes], [column]),
+                  onnx.helper.make_node("MatMul", [a, column], [product], name=node.name),
+                  onnx.helper.make_node("Squeeze", [product, axes], [node.output[0]])]
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def read_manifest(directory: Path) -> dict:
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise K3Error(f"onnx: {directory} has no {MANIFEST} (not a k3c ONNX export)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise K3Error(f"onnx: {path} is not valid JSON ({e})") from None
+
+
+def _import_function(model: onnx.ModelProto, module_op, cc, mc, parameters: dict[str, str]) -> None:
+    """Import the model's graph as a function of ``module_op``; external-data initializers become
+    loads of named parameters (``parameters``: name -> global, created once per module), the other
+    initializers constants. IREE's own externalizing importer feeds its values in the same way."""
+    graph = onnx_importer.ModelInfo(model).main_graph
+    imp = onnx_importer.NodeImporter.define_function(graph, module_op, context_cache=cc, module_cache=mc)
+    for name, tensor in list(graph.initializer_map.items()):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        builtin = ir.RankedTensorType.get(list(tensor.dims), ELEM_TYPE_TO_SIGNLESS_IR_TYPE[tensor.data_type]())
+        if name not in parameters:
+            parameters[name] = "__param_" + name.replace(".", "_")
+            with ir.InsertionPoint.at_block_begin(module_op.regions[0].blocks[0]), ir.Location.unknown():
+                init = ir.Attribute.parse(f'#flow.parameter.named<"{SCOPE}"::"{name}"> : {builtin}')
+                util.GlobalOp(parameters[name], ir.TypeAttr.get(builtin), sym_visibility="private", initial_value=init)
+        with ir.InsertionPoint(imp._b), ir.Location.name(name):
+            loaded = util.GlobalLoadOp(builtin, ir.FlatSymbolRefAttr.get(parameters[name])).result
+            imp._nv_map[name] = ir.Operation.create("torch_c.from_builtin_tensor", operands=[loaded],
+                                                    results=[cc.tensor_proto_to_type(tensor)]).result
+        del graph.initializer_map[name]  # imported above, not as a constant
+    imp.import_all()
+
+
+def import_onnx(directory: Path, log=print) -> ImportedModule:
+    """prefill.onnx and decode.onnx of an export directory -> one torch-dialect module whose k3
+    custom ops are ``torch.k3.*`` operators, ready for Pipeline()."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    t0 = time.perf_counter()
+    models = {}
+    for name in ENTRY_POINTS:
+        model = load_checked(directory / f"{name}.onnx")
+        if model.graph.name != name:
+            raise K3Error(f"onnx: {name}.onnx in {directory} holds graph {model.graph.name!r}, expected {name!r}")
+        matvec_as_matmul(model)
+        models[name] = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    context = ir.Context()
+    module = ir.Module.create(ir.Location.unknown(context))
+    cc = onnx_importer.ContextCache(context)
+    mc = onnx_importer.ModuleCache(module.operation, cc)
+    parameters: dict[str, str] = {}
+    with context, ir.Location.unknown():
+        for model in models.values():
+            _import_function(model, module.operation, cc, mc, parameters)
+        n_custom = to_k3_ops(module)
+        passmanager.PassManager.parse("builtin.module(func.func(convert-torch-onnx-to-torch))").run(module.operation)
+    module.operation.verify()
+    log(f"checked and imported {directory} to torch-dialect MLIR in {time.perf_counter() - t0:.1f}s "
+        f"({len(parameters)} parameters, {n_custom} k3 custom ops)")
+    return ImportedModule(module, manifest)
