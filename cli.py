@@ -2,6 +2,7 @@
 run, validate, bench, targets). Errors from bad input print one line and exit non-zero."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -138,11 +139,38 @@ def quantize(in_dir, out_dir, show):
 
 
 def log(message: str) -> None:
-    """Progress lines on stderr, with the time since the command started."""
-    click.echo(f"[{time.perf_counter() - _START:6.1f}s] {message}", err=True)
+    """Progress lines on stderr, with the time since the command started (above the spinner, whose
+    clock restarts, while one runs)."""
+    line = f"[{time.perf_counter() - _START:6.1f}s] {message}"
+    if not _SPINNER:
+        click.echo(line, err=True)
+    for bar, task in _SPINNER:
+        bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        bar.reset(task)
 
 
 _START = time.perf_counter()
+_SPINNER: list = []  # (rich Progress, task) while a long command runs on a terminal
+
+
+@contextlib.contextmanager
+def spinner(what: str):
+    """On a terminal, a rich spinner under the log lines with the time the current step has run
+    (since the last line), so a long silent step (export, iree-compile) shows it is alive. Elsewhere
+    (pipes, CI) only the log lines are written."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield
+        return
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        _SPINNER.append((bar, bar.add_task(what, total=None)))
+        try:
+            yield
+        finally:
+            _SPINNER.clear()
 
 
 def source_options(f):
@@ -195,7 +223,7 @@ def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir):
         model = init_weights(K3Model(load_config(preset, None)), seed)
         dtypes = {k: stored_dtype(k, t) for k, t in model.state_dict().items()}
     log("passes:\n" + Pipeline().describe())
-    with torch.no_grad():
+    with torch.no_grad(), spinner("export: current step"):
         lower_model(model, dtypes, max_prompt=max_prompt, emit_mlir=Path(out), log=log)
 
 
@@ -208,17 +236,18 @@ def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir):
                    "its weights and max prompt come with it.")
 def compile_cmd(preset, checkpoint, seed, max_prompt, target, output, onnx_dir):
     """Compile a checkpoint or preset for a target; writes a bundle (manifest, module, checkpoint, reference.npz)."""
-    bundle = _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir)
+    with spinner("compile: current step"):
+        bundle = _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir)
     click.echo(str(bundle.root))
 
 
 def _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir=None):
-    from .artifacts.build import build_bundle, build_bundle_from_onnx
     from .runtimes.targets import parse_target
     if onnx_dir and (preset or checkpoint):
         raise K3Error("compile: --onnx brings its own weights; drop --preset/--checkpoint")
     preset, checkpoint = (None, None) if onnx_dir else one_source(preset, checkpoint)
-    tgt = parse_target(target)
+    tgt = parse_target(target)  # before the slow imports below: a bad --target fails at once
+    from .artifacts.build import build_bundle, build_bundle_from_onnx
     if tgt.note:
         log(f"warning: {tgt.note}")
     name = Path(onnx_dir).name if onnx_dir else preset or Path(checkpoint).name
@@ -230,10 +259,12 @@ def _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir=None):
 
 
 def parse_ids(ctx, param, value: str) -> list[int]:
-    try:
-        return [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of token ids") from None
+    """'1,2,3' -> [1, 2, 3]; anything but integers is a K3Error naming the first bad item."""
+    items = [x.strip() for x in value.split(",") if x.strip()]
+    bad = next((x for x in items if not re.fullmatch(r"[+-]?\d+", x)), None)
+    if bad is not None:
+        raise K3Error(f"--prompt-ids: {bad!r} is not an integer token id (give e.g. 1,2,3)")
+    return [int(x) for x in items]
 
 
 @main.command()
@@ -265,9 +296,10 @@ def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_l
     from rich.table import Table
     from .artifacts.bundle import open_bundle
     from .runtimes.validate import TOLERANCE, as_dicts, first_divergent, validate as run_validation
-    b = open_bundle(bundle) if bundle else _build(preset, checkpoint, seed, max_prompt, target, output)
-    tol = TOLERANCE[b.manifest.target["backend"]]
-    steps, layers = run_validation(b, per_layer)
+    with spinner("validate: current step"):
+        b = open_bundle(bundle) if bundle else _build(preset, checkpoint, seed, max_prompt, target, output)
+        tol = TOLERANCE[b.manifest.target["backend"]]
+        steps, layers = run_validation(b, per_layer)
     table = Table(title=f"{b.root.name}: {b.manifest.target['name']} vs PyTorch (tolerance {tol:g} max abs)")
     for col in ("step", "max abs", "max rel", "cosine", "top-1", "top-5", "result"):
         table.add_column(col, justify="left" if col == "step" else "right")

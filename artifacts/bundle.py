@@ -126,6 +126,8 @@ class Bundle:
 def open_bundle(path: str | Path) -> Bundle:
     """Read the manifest and verify every file's sha256; K3Error names the first file that differs."""
     root = Path(path)
+    if not root.is_dir():
+        raise K3Error(f"bundle: directory {root} does not exist")
     mpath = root / MANIFEST
     if not mpath.is_file():
         raise K3Error(f"bundle: {root} has no {MANIFEST} (not a k3c bundle)")

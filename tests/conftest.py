@@ -40,3 +40,22 @@ def tiny_model(tiny_cfg) -> K3Model:
 def tiny_model64(tiny_cfg) -> K3Model:
     """The same weights as ``tiny_model`` (drawn in fp32, widened exactly) in float64."""
     return init_weights(K3Model(tiny_cfg), seed=0).double().eval()
+
+
+@pytest.fixture(scope="session")
+def k3c_cache(tmp_path_factory):
+    """An empty compile cache (K3C_CACHE) for this run, so ``tiny_bundle`` is really compiled."""
+    return tmp_path_factory.mktemp("k3c-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory, k3c_cache):
+    """ONE k3-tiny CPU bundle for the whole suite (seed-0 checkpoint inside, prefill up to 128 tokens):
+    export, passes, iree-compile and reference outputs, about 2 minutes on 2 cores. Read it, don't
+    modify it (copy it first)."""
+    from k3c.artifacts.build import build_bundle
+    from k3c.runtimes.targets import parse_target
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("K3C_CACHE", str(k3c_cache))
+        return build_bundle(tmp_path_factory.mktemp("bundles") / "k3-tiny-cpu", parse_target("cpu"),
+                            preset="k3-tiny", max_prompt=128)

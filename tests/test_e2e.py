@@ -1,0 +1,166 @@
+"""k3-tiny end to end on the CPU: export with the k3 custom ops, their lowerings in passes/,
+iree-compile, the IREE runtime and the CLI, against the eager PyTorch model on the bundle's own
+checkpoint (DESIGN.md, "One way through")."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from k3c.model import K3Config
+from k3c.model.checkpoint import load_checkpoint
+from k3c.runtimes.session import Session
+
+K3C = Path(sys.executable).with_name("k3c")  # the console script installed beside this interpreter
+TOL = 1e-4                                    # fp32 max abs logit error
+DECODE_STEPS = 8
+
+
+def k3c(*args, cache: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(K3C), *map(str, args)], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "K3C_CACHE": str(cache)})
+
+
+def eager_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy ids: the first from prefill, then n - 1 decode steps."""
+    with torch.no_grad():
+        logits, state = model.prefill(torch.tensor([prompt]))
+        ids = [int(logits[0, -1].argmax())]
+        for _ in range(n - 1):
+            logits, state = model.decode(torch.tensor([[ids[-1]]]), state)
+            ids.append(int(logits[0, -1].argmax()))
+    return ids
+
+
+def test_compiled_logits_match_eager(tiny_bundle):
+    """A 100-token prompt (a full and a padded KDA chunk, MLA caches of 100+) and 8 decode steps fed
+    the eager greedy tokens: every logit within 1e-4 of the eager model's, the same argmax."""
+    model = load_checkpoint(tiny_bundle.checkpoint_dir, dtype=torch.float32)
+    prompt = torch.randint(0, model.cfg.vocab_size, (100,), generator=torch.Generator().manual_seed(5))
+    session = Session(tiny_bundle)
+    logits, _ = session.prefill(prompt.numpy())
+    with torch.no_grad():
+        ref, state = model.prefill(prompt[None])
+    np.testing.assert_allclose(logits, ref[0].numpy(), rtol=0, atol=TOL)
+    for step in range(DECODE_STEPS):
+        token = int(ref[0, -1].argmax())
+        got = session.decode(token)
+        with torch.no_grad():
+            ref, state = model.decode(torch.tensor([[token]]), state)
+        np.testing.assert_allclose(got, ref[0, -1].numpy(), rtol=0, atol=TOL, err_msg=f"decode step {step}")
+        assert got.argmax() == ref[0, -1].argmax()
+
+
+def test_validate_cli_passes(tiny_bundle, k3c_cache, tmp_path):
+    r = k3c("validate", tiny_bundle.root, "--json", tmp_path / "v.json", cache=k3c_cache)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line for line in r.stdout.splitlines() if re.match(r"\W+(prefill|decode \d+) ", line)]
+    assert len(rows) == 1 + DECODE_STEPS and all(row.rstrip(" │").endswith("PASS") for row in rows), r.stdout
+    assert r.stdout.strip().splitlines()[-1] == "PASS"
+    steps = json.loads((tmp_path / "v.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == ["prefill"] + [f"decode {i}" for i in range(DECODE_STEPS)]
+    assert max(s["max_abs"] for s in steps) <= TOL
+
+
+def test_run_cli_matches_eager_greedy(tiny_bundle, k3c_cache):
+    prompt = [7, 300, 12, 12, 501, 0, 44]
+    r = k3c("run", tiny_bundle.root, "--prompt-ids", ",".join(map(str, prompt)), "-n", DECODE_STEPS, cache=k3c_cache)
+    assert r.returncode == 0, r.stderr
+    model = load_checkpoint(tiny_bundle.checkpoint_dir, dtype=torch.float32)
+    assert [int(x) for x in r.stdout.split(",")] == eager_greedy(model, prompt, DECODE_STEPS)
+
+
+def test_one_module_serves_two_checkpoints(tiny_bundle, k3c_cache, tmp_path):
+    """A seed-1 checkpoint of the same config compiles from the cache to the very same module,
+    which validates on it: the weights are read at run time, never folded into the module."""
+    checkpoint = tmp_path / "seed1"
+    assert k3c("init-checkpoint", "--preset", "k3-tiny", "--seed", 1, checkpoint, cache=k3c_cache).returncode == 0
+    r = k3c("compile", "--checkpoint", checkpoint, "--max-prompt", tiny_bundle.manifest.max_prompt,
+            "-o", tmp_path / "seed1-cpu", cache=k3c_cache)
+    assert r.returncode == 0, r.stderr
+    assert "compiled module found in cache" in r.stderr
+    assert (tmp_path / "seed1-cpu" / "module.vmfb").read_bytes() == tiny_bundle.module_path.read_bytes()
+    v = k3c("validate", tmp_path / "seed1-cpu", cache=k3c_cache)
+    assert v.returncode == 0 and v.stdout.strip().splitlines()[-1] == "PASS", v.stdout + v.stderr
+    ref0, ref1 = np.load(tiny_bundle.reference_path), np.load(tmp_path / "seed1-cpu" / "reference.npz")
+    np.testing.assert_array_equal(ref0["prompt_ids"], ref1["prompt_ids"])
+    assert np.abs(ref0["prefill_logits"] - ref1["prefill_logits"]).max() > 1000 * TOL
+
+
+def test_weights_are_named_parameters(tiny_bundle):
+    """Every checkpoint tensor the model reads is named in the module (a parameter key), and no
+    64-byte run of any sizeable tensor, as stored or widened to fp32, is in it (no weight became a
+    constant). Layer 0's self_attention_res_* are never read: its bank is empty, x = p (spec §3)."""
+    vmfb = tiny_bundle.module_path.read_bytes()
+    unread = {f"model.layers.0.self_attention_res_{part}.weight" for part in ("proj", "norm")}
+    with safe_open(str(tiny_bundle.checkpoint_dir / "model.safetensors"), "pt") as f:
+        assert {name for name in f.keys() if name.encode() not in vmfb} == unread
+        for name in f.keys():
+            t = f.get_tensor(name).flatten()
+            if t.numel() * t.element_size() < 4096:
+                continue
+            middle = t[t.numel() // 2:]
+            runs = [middle.view(torch.uint8)[:64]]
+            if t.is_floating_point():
+                runs.append(middle[:16].float().view(torch.uint8))
+            for run in runs:
+                assert run.numpy().tobytes() not in vmfb, name
+
+
+def module_outline(text: str) -> tuple[dict[str, list], list[tuple[str, str, bool]]]:
+    """Of a printed MLIR module: each func.func's input types (text), and every func.call as (caller,
+    callee, whether it sits inside an scf.for)."""
+    from iree.compiler import ir
+
+    inputs, calls = {}, []
+
+    def visit(op):
+        if op.name == "func.func":
+            ftype = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
+            inputs[ir.StringAttr(op.attributes["sym_name"]).value] = [str(t) for t in ftype.inputs]
+        elif op.name == "func.call":
+            parent, in_loop = op.parent, False
+            while parent.name != "func.func":
+                in_loop |= parent.name == "scf.for"
+                parent = parent.parent
+            calls.append((ir.StringAttr(parent.attributes["sym_name"]).value,
+                          ir.FlatSymbolRefAttr(op.attributes["callee"]).value, in_loop))
+        return ir.WalkResult.ADVANCE
+
+    with ir.Context():
+        ir.Module.parse(text).operation.walk(visit)
+    return inputs, calls
+
+
+def test_emit_mlir_custom_ops_then_their_implementations(k3c_cache, tmp_path):
+    """torch.mlir holds the k3 operators; lowered.mlir holds none, but calls to their implementations.
+    The KDA chunk implementation takes any T and calls the 64-token chunk function once, inside an
+    scf.for: prefill up to 128 tokens (two chunks) is a run-time loop, not an unrolled one."""
+    cfg = K3Config.preset("k3-tiny")
+    n_kda = cfg.layer_kinds.count("kda")
+    n_moe = sum(cfg.is_moe(layer) for layer in range(cfg.num_hidden_layers))
+    r = k3c("export", "--preset", "k3-tiny", "--max-prompt", 128, "--emit-mlir", tmp_path, cache=k3c_cache)
+    assert r.returncode == 0, r.stderr
+    before, after = (tmp_path / "torch.mlir").read_text(), (tmp_path / "lowered.mlir").read_text()
+    for op, count in (("kda_chunk", n_kda), ("kda_step", n_kda), ("mxfp4_moe", 2 * n_moe)):
+        assert before.count(f'torch.operator "torch.k3.{op}"') == count, op
+    assert "torch.k3." not in after
+
+    inputs, calls = module_outline(after)
+    called = lambda caller, prefix: [c for f, c, _ in calls if f == caller and c.startswith(prefix)]  # noqa: E731
+    assert len(called("prefill", "k3_kda_chunk_")) == n_kda and not called("decode", "k3_kda_chunk_")
+    assert len(called("decode", "k3_kda_step_")) == n_kda and not called("prefill", "k3_kda_step_")
+    assert len(called("prefill", "k3_mxfp4_moe_")) == len(called("decode", "k3_mxfp4_moe_")) == n_moe
+
+    (impl,) = set(called("prefill", "k3_kda_chunk_"))
+    H, K = cfg.kda_heads, cfg.kda_head_dim
+    assert inputs[impl][0] == f"tensor<1x?x{H}x{K}xf32>"             # q [B, T, H, K], any T
+    assert inputs[impl + "_chunk"][0] == f"tensor<1x64x{H}x{K}xf32>"  # one 64-token chunk
+    assert [(f, loop) for f, c, loop in calls if c == impl + "_chunk"] == [(impl, True)]
