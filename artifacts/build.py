@@ -58,19 +58,19 @@ def stored_dtypes(checkpoint: Path) -> dict[str, torch.dtype]:
 
 def lower_model(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt: int, batch: int = 1,
                 emit_mlir: Path | None = None, log=print):
-    """Export ``model`` and run the passes; with ``emit_mlir``, write the module before and after them."""
-    from ..exporter.export import export_model
+    """Export ``model`` (or take the export from the cache) and run the default passes; with
+    ``emit_mlir``, write the module before and after them."""
     from ..passes.pipeline import Pipeline
 
-    exported = export_model(model, dtypes, batch=batch, max_prompt=max_prompt, log=log)
+    module, _ = export_cached(model, dtypes, max_prompt=max_prompt, batch=batch, log=log)
     if emit_mlir is not None:
         emit_mlir.mkdir(parents=True, exist_ok=True)
-        (emit_mlir / "torch.mlir").write_text(exported.text)
-    Pipeline().run(exported.module, log=log)
+        (emit_mlir / "torch.mlir").write_text(str(module))
+    Pipeline().run(module, log=log)
     if emit_mlir is not None:
-        (emit_mlir / "lowered.mlir").write_text(exported.text)
+        (emit_mlir / "lowered.mlir").write_text(str(module))
         log(f"wrote {emit_mlir / 'torch.mlir'} (before passes) and {emit_mlir / 'lowered.mlir'} (after)")
-    return exported
+    return module
 
 
 def _key(**parts) -> str:
@@ -112,7 +112,7 @@ def compile_model(model: K3Model, dtypes: dict[str, torch.dtype], target: Target
         log(f"compiled module found in cache ({cached})")
         return Compiled((cached / "module.vmfb").read_bytes(), json.loads((cached / "entry_points.json").read_text()), key)
     module, entry_points = export_cached(model, dtypes, max_prompt=max_prompt, batch=batch, log=log)
-    Pipeline().run(module, log=log)
+    Pipeline.for_target(target).run(module, log=log)
     vmfb = compile_mlir(str(module), target, log=log)
     with atomic_dir(cached) as tmp:
         (tmp / "module.vmfb").write_bytes(vmfb)

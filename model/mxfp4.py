@@ -42,14 +42,16 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -
 
 
 def _round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Code of the nearest E2M1 value, ties to the even code (the one with mantissa bit 0)."""
+    """Code of the nearest E2M1 value, ties to the even code (the one with mantissa bit 0).
+
+    The magnitudes are sorted, so the nearest one is found by bucketing against the midpoints;
+    a value exactly on a midpoint lands in both neighbouring buckets and takes the even code."""
     mags = e2m1_table(x.device)[:8]
-    a = x.abs().clamp(max=E2M1_MAX)
-    dist = (a.unsqueeze(-1) - mags).abs()
-    best = dist.min(dim=-1, keepdim=True).values
-    # among equally near magnitudes prefer the even code (lowest bit 0): add a tiny tie-break
-    tie_break = torch.tensor([0, 1, 0, 1, 0, 1, 0, 1], device=x.device, dtype=torch.float32) * 1e-9
-    code = torch.where(dist <= best, tie_break, torch.inf).argmin(dim=-1)
+    midpoints = (mags[1:] + mags[:-1]) / 2
+    a = x.abs().float().clamp(max=E2M1_MAX).contiguous()
+    lower = torch.bucketize(a, midpoints, right=False)   # on a midpoint: the smaller code
+    upper = torch.bucketize(a, midpoints, right=True)    # on a midpoint: the larger code
+    code = torch.where(lower % 2 == 0, lower, upper)
     sign = (x < 0) | ((x == 0) & torch.signbit(x))
     return (code + 8 * sign.long()).to(torch.uint8)
 
