@@ -1,0 +1,37 @@
+"""k3-tiny beyond the CPU: the whole model validated on Vulkan (Mesa's llvmpipe, which .ci/run
+installs) and compiled for CUDA and ROCm, where this machine has no device. Each build reuses the
+export of the CPU bundle (the export cache is per config, shared by every target)."""
+from __future__ import annotations
+
+import pytest
+
+from k3c.artifacts.build import build_bundle
+from k3c.runtimes import device
+from k3c.runtimes.targets import parse_target
+from k3c.runtimes.validate import TOLERANCE, validate
+
+
+def build_for(target: str, tiny_bundle, k3c_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("K3C_CACHE", str(k3c_cache))
+    logs = []
+    bundle = build_bundle(tmp_path / target.replace(":", "-"), parse_target(target),
+                          checkpoint=tiny_bundle.checkpoint_dir, max_prompt=tiny_bundle.manifest.max_prompt,
+                          log=logs.append)
+    assert any("exported module found in cache" in line for line in logs), logs
+    return bundle
+
+
+@pytest.mark.skipif(not device.devices("vulkan"), reason="no Vulkan device (install mesa-vulkan-drivers)")
+def test_k3_tiny_validates_on_vulkan(tiny_bundle, k3c_cache, tmp_path, monkeypatch):
+    bundle = build_for("vulkan", tiny_bundle, k3c_cache, tmp_path, monkeypatch)
+    assert bundle.manifest.target["name"] == "vulkan:llvmpipe"
+    steps, _ = validate(bundle)
+    assert len(steps) == 9
+    for s in steps:
+        assert s.passed and s.max_abs <= TOLERANCE["vulkan-spirv"] and s.top1 == 1.0, s
+
+
+@pytest.mark.parametrize("target, magic", [("cuda:sm_80", b"cuda-nvptx-fb"), ("rocm:gfx942", b"rocm-hsaco-fb")])
+def test_k3_tiny_compiles_for_gpu(target, magic, tiny_bundle, k3c_cache, tmp_path, monkeypatch):
+    bundle = build_for(target, tiny_bundle, k3c_cache, tmp_path, monkeypatch)
+    assert magic in bundle.module_path.read_bytes()
