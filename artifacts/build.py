@@ -27,7 +27,8 @@ from .bundle import Bundle, Manifest, atomic_dir, hash_dir, open_bundle, package
 
 PROMPT_LEN = 24
 DECODE_STEPS = 8
-SOURCE_DIRS = ("model", "exporter", "passes")
+EXPORT_SOURCES = ("model", "exporter")                 # what shapes the exported torch-dialect module
+COMPILE_SOURCES = ("model", "exporter", "passes")      # ... and the compiled one
 
 
 @dataclass
@@ -41,11 +42,11 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("K3C_CACHE", Path.home() / ".cache" / "k3c"))
 
 
-def _source_hash() -> str:
-    """Hash of the code that shapes the compiled module, so a code change misses the cache."""
+def _source_hash(dirs: tuple[str, ...] = COMPILE_SOURCES) -> str:
+    """Hash of the code in ``dirs`` (the code that shapes a cached module), so a change misses the cache."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for d in SOURCE_DIRS:
+    for d in dirs:
         for f in sorted((root / d).rglob("*.py")):
             h.update(f.read_bytes())
     return h.hexdigest()
@@ -86,7 +87,7 @@ def export_cached(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt:
 
     cached = _cache_dir() / "export" / _key(
         config=model.cfg.hash, dtypes={k: str(v) for k, v in sorted(dtypes.items())}, max_prompt=max_prompt,
-        batch=batch, source=_source_hash(), versions=package_versions())
+        batch=batch, source=_source_hash(EXPORT_SOURCES), versions=package_versions())
     if (cached / "torch.mlir").is_file():
         log(f"exported module found in cache ({cached})")
         module = ir.Module.parse((cached / "torch.mlir").read_text(), context=ir.Context())
