@@ -1,24 +1,26 @@
 """The implementation of each k3 custom op, per target, as MLIR built from PyTorch bodies.
 
-- ``torch.k3.kda_chunk``: the chunkwise KDA form. One 64-token chunk (model.kda.kda_chunk_step,
-  the same function the reference runs) is traced with static shapes; a short hand-written
-  ``scf.for`` walks the dynamic number of chunks carrying the state. The tail chunk is padded with
-  tokens that change nothing (g = 0, beta = 0, k = v = 0).
+- ``torch.k3.kda_chunk``: the chunkwise KDA form. A block of tokens (model.kda.kda_chunked, the
+  function the reference runs: 64 tokens in one chunk as the reference; on CPU 256 in chunks of 16,
+  whose [16, 16, K] decays stay in L2) is traced with static shapes; a short hand-written ``scf.for``
+  walks the dynamic number of blocks carrying the state. The tail block is padded with tokens that
+  change nothing (g = 0, beta = 0, k = v = 0).
 - ``torch.k3.kda_step``: the recurrent form for the decode token(s), traced as is; for SPIR-V the
   same recurrence on the transposed state (``kda_step_v_major``).
-- ``torch.k3.mxfp4_moe``: experts stay 4-bit in memory; dequantisation happens inside the expert
-  matmuls. Decode (a static handful of tokens) gathers the picked experts' packed rows; prefill
-  (a dynamic token count) dequantises every expert once and mixes densely with zero weights off
-  the top-k, which keeps shapes static.
+- ``torch.k3.mxfp4_moe``: experts stay 4-bit in memory and are dequantised one at a time, sliced
+  in place: decode loops over the picked (token, slot) pairs, prefill groups the tokens by expert
+  and loops over the experts (expert_loops.py).
 Each generator returns MLIR texts defining ``func @<sym>`` with the operator's builtin types.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from ..model import kda, mxfp4
-from ..model.moe import glu_act
+from ..model import kda
 from ..model.norms import upcast
+from .expert_loops import mxfp4_moe
 from .trace import TensorType, trace_to_linalg
 
 
@@ -45,18 +47,28 @@ def kda_step_v_major(sym: str, ins: list[TensorType], consts: list) -> list[str]
     return [trace_to_linalg(_recurrent_v_major, ins, sym)]
 
 
-def _chunk_body(q, k, v, g, beta, S):
-    """[B, C, H, .] layout in and out, as the operator has it."""
-    bh = lambda x: x.transpose(1, 2)  # noqa: E731
-    o, S = kda.kda_chunk_step(bh(q), bh(k), bh(v), bh(g), bh(beta), S)
-    return bh(o), S
+def _head_major_chunk(chunk: int):
+    """kda.kda_chunked with the output head-major, [B, H, C, V], the layout of the state's rows."""
+    def body(q, k, v, g, beta, S):
+        o, S = kda.kda_chunked(q, k, v, g, beta, S, chunk=chunk)
+        return o.transpose(1, 2), S
+    return body
 
 
-def kda_chunk(sym: str, ins: list[TensorType], consts: list) -> list[str]:
+def kda_chunk(sym: str, ins: list[TensorType], consts: list, block: int = kda.CHUNK,
+              chunk: int = kda.CHUNK) -> list[str]:
+    """Each loop iteration takes ``block`` tokens, in chunks of ``chunk``. The loop carries one buffer
+    [B, H, K + T, V]: the state's K rows, then the outputs, head-major; they are transposed to
+    [B, T, H, V] after it. (Carrying the output beside the state, IREE copied all of it on every
+    iteration, which made prefill quadratic in T.)"""
     q, k, v, g, beta, S = ins
-    C = kda.CHUNK
+    C = block
+    B, _, H, V = v.shape
+    K = S.shape[2]
     static = [t.with_dim(1, C) for t in ins[:5]] + [S]
-    body = trace_to_linalg(_chunk_body, static, sym + "_chunk")
+    o_chunk = TensorType((B, H, C, V), S.element)
+    buf = TensorType((B, H, None, V), S.element)
+    body = trace_to_linalg(_head_major_chunk(chunk), static, sym + "_chunk")
     o_t = v  # same layout as v: [B, ?, H, V]
     decl_args = ", ".join(str(t) for t in static)
     names = ["q", "k", "v", "g", "beta"]
@@ -77,55 +89,42 @@ def kda_chunk(sym: str, ins: list[TensorType], consts: list) -> list[str]:
       }} : {t} to {t}
       %{name}_c = tensor.cast %{name}_p : {t} to {ts}""")
         padded.append(f"%{name}_c")
-    B, _, H, V = v.shape
+    state = f"[0, 0, 0, 0] [{B}, {H}, {K}, {V}] [1, 1, 1, 1]"
     wrapper = f"""
 module {{
-  func.func private @{sym}_chunk({decl_args}) -> ({static[2]}, {S})
+  func.func private @{sym}_chunk({decl_args}) -> ({o_chunk}, {S})
   func.func @{sym}(%q: {q}, %k: {k}, %v: {v}, %g: {g}, %beta: {beta}, %S0: {S}) -> ({o_t}, {S}) {{
     %c0 = arith.constant 0 : index
     %c1 = arith.constant 1 : index
     %cC = arith.constant {C} : index
+    %cK = arith.constant {K} : index
     %zero = arith.constant 0.0 : f32
     %T = tensor.dim %q, %c1 : {q}
-    %init = tensor.empty(%T) : {o_t}
-    %r:2 = scf.for %i = %c0 to %T step %cC iter_args(%out = %init, %S = %S0) -> ({o_t}, {S}) {{
+    %TK = arith.addi %T, %cK : index
+    %empty = tensor.empty(%TK) : {buf}
+    %init = tensor.insert_slice %S0 into %empty{state} : {S} into {buf}
+    %r = scf.for %i = %c0 to %T step %cC iter_args(%b = %init) -> ({buf}) {{
       %rem = arith.subi %T, %i : index
       %n = arith.minsi %rem, %cC : index
       %npad = arith.subi %cC, %n : index{"".join(slices)}
-      %co:2 = func.call @{sym}_chunk({", ".join(padded)}, %S) : ({decl_args}) -> ({static[2]}, {S})
-      %os = tensor.extract_slice %co#0[0, 0, 0, 0] [{B}, %n, {H}, {V}] [1, 1, 1, 1] : {static[2]} to {o_t}
-      %o2 = tensor.insert_slice %os into %out[0, %i, 0, 0] [{B}, %n, {H}, {V}] [1, 1, 1, 1] : {o_t} into {o_t}
-      scf.yield %o2, %co#1 : {o_t}, {S}
+      %S = tensor.extract_slice %b{state} : {buf} to {S}
+      %co:2 = func.call @{sym}_chunk({", ".join(padded)}, %S) : ({decl_args}) -> ({o_chunk}, {S})
+      %os = tensor.extract_slice %co#0[0, 0, 0, 0] [{B}, {H}, %n, {V}] [1, 1, 1, 1] : {o_chunk} to {buf}
+      %at = arith.addi %i, %cK : index
+      %b2 = tensor.insert_slice %os into %b[0, 0, %at, 0] [{B}, {H}, %n, {V}] [1, 1, 1, 1] : {buf} into {buf}
+      %b3 = tensor.insert_slice %co#1 into %b2{state} : {S} into {buf}
+      scf.yield %b3 : {buf}
     }}
-    return %r#0, %r#1 : {o_t}, {S}
+    %oh = tensor.extract_slice %r[0, 0, {K}, 0] [{B}, {H}, %T, {V}] [1, 1, 1, 1] : {buf} to {buf}
+    %o_e = tensor.empty(%T) : {o_t}
+    %o = linalg.transpose ins(%oh : {buf}) outs(%o_e : {o_t}) permutation = [0, 2, 1, 3]
+    %Sr = tensor.extract_slice %r{state} : {buf} to {S}
+    %S_e = tensor.empty() : {S}
+    %S1 = linalg.copy ins(%Sr : {S}) outs(%S_e : {S}) -> {S}
+    return %o, %S1 : {o_t}, {S}
   }}
 }}"""
     return [body, wrapper]
-
-
-def _dequantize(packed, scale):
-    """MXFP4 -> f32 inside the traced body; nibbles are split on int32 so shifts are logical."""
-    return mxfp4.dequantize(packed.to(torch.int32), scale.to(torch.int32))
-
-
-def mxfp4_moe(sym: str, ins: list[TensorType], consts: list) -> list[str]:
-    act, beta1, beta2 = consts
-    n_experts = ins[3].shape[0]
-
-    def gather(z, idx, w, w1p, w1s, w3p, w3s, w2p, w2s):
-        W1, W3, W2 = (_dequantize(p[idx], s[idx]) for p, s in ((w1p, w1s), (w3p, w3s), (w2p, w2s)))
-        h = glu_act(act, beta1, beta2, torch.einsum("nl,nkil->nki", z, W1), torch.einsum("nl,nkil->nki", z, W3))
-        return torch.einsum("nki,nkli->nl", h * w.unsqueeze(-1), W2)
-
-    def dense(z, idx, w, w1p, w1s, w3p, w3s, w2p, w2s):
-        W1, W3, W2 = (_dequantize(p, s) for p, s in ((w1p, w1s), (w3p, w3s), (w2p, w2s)))
-        # routing weight of every (token, expert), 0 off the top-k; one-hot keeps shapes static
-        mix = ((idx.unsqueeze(-1) == torch.arange(n_experts)) * w.unsqueeze(-1)).sum(1)
-        h = glu_act(act, beta1, beta2, torch.einsum("nl,eil->nei", z, W1), torch.einsum("nl,eil->nei", z, W3))
-        return torch.einsum("nei,eli->nl", h * mix.unsqueeze(-1), W2)
-
-    body = dense if ins[0].shape[0] is None else gather
-    return [trace_to_linalg(body, ins, sym, int_high=n_experts)]
 
 
 GENERATORS = {

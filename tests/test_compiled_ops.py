@@ -136,21 +136,21 @@ def moe(z, idx, w, *weights):
     return torch.ops.k3.mxfp4_moe(z, idx, w, *weights, "situ", BETA1, BETA2)
 
 
-def test_mxfp4_moe_gather_form_matches_dequantised():
-    """Static token count (decode): the picked experts' packed rows are gathered."""
+def test_mxfp4_moe_by_slot_form_matches_dequantised():
+    """Static token count (decode): a loop over the (token, slot) pairs, each expert sliced in place."""
     weights = expert_weights(0)
     z, idx, w = routed_tokens(3, seed=1)
     y = compile_op(moe, (z, idx, w, *weights))(z.numpy(), idx.numpy(), w.numpy(), *(t.numpy() for t in weights))
     np.testing.assert_allclose(y, moe_reference(z, idx, w, weights), rtol=0, atol=1e-5)
 
 
-def test_mxfp4_moe_dense_form_matches_dequantised():
-    """Dynamic token count (prefill): every expert dequantised once, mixed with zeros off the top-k;
-    two token counts from one module."""
+def test_mxfp4_moe_by_expert_form_matches_dequantised():
+    """Dynamic token count (prefill): the pairs grouped by expert, a loop over the experts; three
+    token counts from one module (one token leaves most experts with no rows)."""
     weights = expert_weights(2)
     N = Dim("N", min=1, max=512)
     run = compile_op(moe, (*routed_tokens(4, seed=3), *weights), ({0: N},) * 3 + (None,) * 6)
-    for n_tokens in (5, 37):
+    for n_tokens in (1, 5, 37):
         z, idx, w = routed_tokens(n_tokens, seed=n_tokens)
         y = run(z.numpy(), idx.numpy(), w.numpy(), *(t.numpy() for t in weights))
         np.testing.assert_allclose(y, moe_reference(z, idx, w, weights), rtol=0, atol=1e-5)
