@@ -325,9 +325,39 @@ def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_l
 
 
 @main.command()
-def targets():
+@click.option("--validate", "validate_preset", default=None, metavar="PRESET",
+              help="Also build a PRESET bundle (e.g. k3-tiny) for each target that runs here and validate it.")
+@click.option("--markdown", is_flag=True, help="Print a Markdown table (the README's).")
+@click.option("--work", type=click.Path(file_okay=False), default="out/targets", show_default=True,
+              help="Where --validate writes its bundles.")
+def targets(validate_preset, markdown, work):
     """What --target accepts: per target, whether this host compiles for it (a probe compile), runs it
-    (driver and a matching device present), and the device found. Writes nothing."""
+    (driver and a matching device present), and the device found; with --validate, the validation
+    result of each target that runs here."""
     from rich.console import Console
-    from .runtimes.targets import targets_table
-    Console().print(targets_table())
+    from rich.table import Table
+    from .runtimes.targets import target_statuses
+    if validate_preset:
+        from .model import K3Config
+        from .runtimes.validate import validate_targets
+        K3Config.preset(validate_preset)  # an unknown preset fails before any compile
+        with spinner("targets: validating"):
+            rows = validate_targets(validate_preset, Path(work), log=log)
+    else:
+        rows = target_statuses()
+    columns = ["target", "driver", "compiles here", "runs here", "device found"]
+    if validate_preset:
+        columns += [f"{validate_preset} validated", "worst max abs", "tolerance"]
+    yes_no = {True: "yes", False: "no"}
+    cells = [[r.target, r.driver, yes_no[r.compiles], yes_no[r.runs], r.device] + (
+        [r.validated, "-" if r.max_abs is None else f"{r.max_abs:.1e}", f"{r.tolerance:g}"]
+        if validate_preset else []) for r in rows]
+    if markdown:
+        click.echo("\n".join("| " + " | ".join(line) + " |" for line in [columns, ["---"] * len(columns), *cells]))
+        return
+    table = Table(title="k3c targets")
+    for c in columns:
+        table.add_column(c, no_wrap=c != "device found")
+    for line in cells:
+        table.add_row(*line)
+    Console().print(table)

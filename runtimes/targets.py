@@ -116,24 +116,33 @@ def runs_here(target: Target) -> bool:
     return True
 
 
-def targets_table():
-    """``k3c targets``: every known target, whether it compiles and runs here, the device found.
-    The probes compile in parallel (each is an iree-compile process)."""
+@dataclass
+class TargetStatus:
+    """One row of ``k3c targets``; the last three are filled by ``--validate`` (runtimes/validate.py)."""
+    target: str
+    driver: str
+    compiles: bool            # the probe compile
+    runs: bool                # a device of the driver (and profile) is here
+    device: str               # the driver's first device, or "-"
+    validated: str = "not run: no matching device"   # or "PASS" / "FAIL"
+    max_abs: float | None = None            # worst step's max abs logit error
+    tolerance: float | None = None
+
+
+def target_statuses() -> list[TargetStatus]:
+    """Every known target probed here. The probes compile in parallel (each an iree-compile process)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from rich.console import Console
     from rich.progress import track
-    from rich.table import Table
 
     targets = [parse_target(spec) for spec in KNOWN_TARGETS]
     with ThreadPoolExecutor() as pool:
         compiles = list(track(pool.map(compiles_here, targets), total=len(targets),
-                              description="probing iree-compile", transient=True))
-    table = Table(title="k3c targets")
-    for column in ("target", "driver", "compile here", "run here"):
-        table.add_column(column, no_wrap=True)
-    table.add_column("device found")
-    yes_no = {True: "[green]yes[/]", False: "[red]no[/]"}
+                              description="probing iree-compile", transient=True,
+                              console=Console(stderr=True)))
+    rows = []
     for t, ok in zip(targets, compiles):
         found = device.devices(t.driver)
-        table.add_row(t.name, t.driver, yes_no[ok], yes_no[runs_here(t)], found[0] if found else "-")
-    return table
+        rows.append(TargetStatus(t.name, t.driver, ok, runs_here(t), found[0] if found else "-"))
+    return rows

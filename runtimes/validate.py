@@ -7,11 +7,13 @@ tolerance and its top-1 token agrees.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
 from ..artifacts.bundle import Bundle
 from .session import Session
+from .targets import TargetStatus, target_statuses
 
 # max abs logit error allowed per target kind; fp32 everywhere, GPUs reassociate reductions more
 TOLERANCE = {"llvm-cpu": 1e-4, "vulkan-spirv": 5e-4, "cuda": 5e-4, "rocm": 5e-4}
@@ -84,3 +86,21 @@ def first_divergent(layers: list[LayerResult], tol: float) -> LayerResult | None
 
 def as_dicts(results) -> list[dict]:
     return [asdict(r) for r in results]
+
+
+def validate_targets(preset: str, work: Path, log=print) -> list[TargetStatus]:
+    """``k3c targets --validate``: build a ``preset`` bundle under ``work`` for every known target
+    that runs here and validate it; the others keep their probe results."""
+    from ..artifacts.build import build_bundle
+    from .targets import parse_target
+
+    rows = target_statuses()
+    for row in rows:
+        t = parse_target(row.target)
+        row.tolerance = TOLERANCE[t.backend]
+        if row.compiles and row.runs:
+            steps, _ = validate(build_bundle(work / t.name.replace(":", "-"), t, preset=preset, log=log))
+            row.validated = "PASS" if all(s.passed for s in steps) else "FAIL"
+            row.max_abs = max(s.max_abs for s in steps)
+            log(f"{t.name}: {row.validated} (worst max abs {row.max_abs:.1e})")
+    return rows

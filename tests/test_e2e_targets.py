@@ -35,3 +35,25 @@ def test_k3_tiny_validates_on_vulkan(tiny_bundle, k3c_cache, tmp_path, monkeypat
 def test_k3_tiny_compiles_for_gpu(target, magic, tiny_bundle, k3c_cache, tmp_path, monkeypatch):
     bundle = build_for(target, tiny_bundle, k3c_cache, tmp_path, monkeypatch)
     assert magic in bundle.module_path.read_bytes()
+
+
+def test_targets_validate_markdown(tiny_bundle, k3c_cache, tmp_path, monkeypatch):
+    """`k3c targets --validate k3-tiny --markdown`, the README's table, on three targets: the modules
+    come from the compile cache, the numbers from validating each against PyTorch."""
+    from click.testing import CliRunner
+
+    from k3c.cli import main
+    from k3c.runtimes import targets
+
+    monkeypatch.setattr(targets, "KNOWN_TARGETS", ("cpu", "cuda:sm_80", "vulkan:llvmpipe"))
+    result = CliRunner().invoke(main, ["targets", "--validate", "k3-tiny", "--markdown", "--work", str(tmp_path)],
+                                env={"K3C_CACHE": str(k3c_cache)})
+    assert result.exit_code == 0, (result.output, result.exception)
+    rows = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")
+            for line in result.output.splitlines() if line.startswith("| ")}
+    assert rows["target"][5:] == ["k3-tiny validated", "worst max abs", "tolerance"]
+    assert rows["cpu"][2:4] == ["yes", "yes"] and rows["cpu"][5] == "PASS"
+    assert 0 < float(rows["cpu"][6]) <= float(rows["cpu"][7]) == TOLERANCE["llvm-cpu"]
+    assert rows["cuda:sm_80"][3:] == ["no", "-", "not run: no matching device", "-", "0.0005"]
+    if device.devices("vulkan"):
+        assert rows["vulkan:llvmpipe"][5] == "PASS" and float(rows["vulkan:llvmpipe"][6]) <= 5e-4
