@@ -361,3 +361,38 @@ def targets(validate_preset, markdown, work):
     for line in cells:
         table.add_row(*line)
     Console().print(table)
+
+
+@main.command()
+@click.option("--quick", is_flag=True, help="k3-tiny and toy sizes, no hybrid or compile sections (a smoke run).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None, help="Write a PNG plot.")
+@click.option("--only", multiple=True, type=click.Choice(["decode", "prefill", "kda", "moe", "hybrid", "compile"]),
+              help="Run only these sections (repeatable; default all).")
+@click.option("--work", type=click.Path(file_okay=False), default="out/bench", show_default=True,
+              help="Directory for the checkpoints, bundles and MLIR it builds (reused across runs).")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Threads for PyTorch and for IREE's workers alike.")
+@click.option("--compile-layers", default=None, metavar="N,N,...",
+              help="Depths of the compile section (default 8,16,32: hours of iree-compile on 2 cores).")
+def bench(quick, json_out, plot_out, only, work, threads, compile_layers):
+    """Compiled CPU modules vs PyTorch eager, and compiler costs; every judged figure is a ratio of
+    measurements interleaved in this run. Prints a Markdown table of the targets; exit 0 even on misses."""
+    import dataclasses
+    from .runtimes.bench import FULL, QUICK, run_bench
+    from .runtimes.bench_report import markdown, plot, targets, write_atomic
+    sizes = QUICK if quick else FULL
+    if compile_layers:
+        depths = [int(x) for x in compile_layers.split(",") if x.strip().isdigit()]
+        if len(depths) != len(compile_layers.split(",")) or len(depths) < 2 or min(depths) < 1 \
+                or depths != sorted(set(depths)):
+            raise K3Error(f"--compile-layers: give two or more increasing depths, e.g. 4,8 (got {compile_layers})")
+        sizes = dataclasses.replace(sizes, compile_layers=tuple(depths))
+    with spinner("bench: current step"):
+        result = run_bench(sizes, Path(work), only, threads=threads, log=log)
+    result["targets"] = targets(result["sections"])
+    if json_out:
+        write_atomic(Path(json_out), json.dumps(result, indent=2).encode())
+    if plot_out:
+        plot(result, Path(plot_out))
+    click.echo(markdown(result))

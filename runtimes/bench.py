@@ -1,0 +1,383 @@
+"""``k3c bench``: the compiled IREE CPU modules against PyTorch eager, and the compiler's own costs.
+
+Every judged figure is a ratio of measurements taken side by side in one run: the cases are run
+round-robin (the order reversed every other round, after one warm-up call each), and a ratio is
+the median of the per-round ratios, so load from other processes shifts both sides alike.
+Absolute medians are reported too, but not judged. Sections:
+
+    decode    time per token, compiled vs eager, at several contexts (k3-small)
+    prefill   tokens/s, compiled vs eager
+    kda       compiled chunkwise KDA prefill vs T, and vs a compiled token-by-token recurrence
+    moe       decode-step MXFP4 expert FFN: weight bytes/s vs a large memory copy; vs bf16 experts
+    hybrid    decode time of k3-small vs the same model with every attention layer MLA
+    compile   iree-compile wall and CPU time and peak memory at several depths
+A decode at context N runs on a synthesized random state with N - 1 cached tokens (the shapes and
+scales a prefill would leave), not on a prefilled one. PyTorch and IREE get the same number of
+threads (one by default).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from ..artifacts.build import build_bundle, compile_model, export_cached, stored_dtypes
+from ..artifacts.bundle import Bundle, open_bundle
+from ..errors import K3Error
+from ..model import K3Config, K3Model
+from ..model.checkpoint import load_checkpoint, stored_dtype
+from ..model.config import every_fourth_and_last
+from ..model.convert import save_checkpoint
+from ..model.init import init_weights
+from ..model.model import K3State
+from ..passes.pipeline import Pipeline
+from . import bench_ops
+from .targets import Target, parse_target
+
+SECTIONS = ("decode", "prefill", "kda", "moe", "hybrid", "compile")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What a run measures: the model, the lengths and shapes of each section, and how often."""
+    preset: str
+    max_prompt: int
+    decode_contexts: tuple[int, ...]
+    prefill_tokens: tuple[int, ...]
+    kda_tokens: tuple[int, ...]
+    kda_scan_tokens: int
+    moe: dict                      # experts E, top-k, latent L, expert hidden I
+    copy_bytes: int
+    hybrid_contexts: tuple[int, ...]
+    compile_layers: tuple[int, ...]
+    rounds: int                    # rounds of the fast cases (decode, kda, moe, hybrid)
+    slow_rounds: int               # rounds of prefill (compile: one; its CPU time hardly moves with load)
+    sections: tuple[str, ...] = SECTIONS
+
+
+FULL = Sizes("k3-small", 2048, (128, 1024, 4096, 16384), (512, 2048), (256, 512, 1024, 2048, 4096, 8192), 2048,
+             {"E": 32, "k": 16, "L": 3584, "I": 3072}, 512 << 20, (1024, 4096, 16384), (8, 16, 32), 7, 3)
+QUICK = Sizes("k3-tiny", 128, (16, 64, 256), (16, 64), (64, 128, 256, 512), 128,
+              {"E": 8, "k": 2, "L": 256, "I": 256}, 32 << 20, (64, 128, 256), (1, 2), 3, 1,
+              ("decode", "prefill", "kda", "moe"))  # hybrid and compile need whole models compiled
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+def interleaved(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each case, ``rounds`` samples each, taken round-robin after a warm-up."""
+    for run in cases.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(rounds):
+        for name in (list(cases) if r % 2 == 0 else list(cases)[::-1]):
+            t0 = time.perf_counter()
+            cases[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def ratio(times: dict[str, list[float]], slow: str, fast: str) -> float:
+    """Median over rounds of time(slow) / time(fast)."""
+    return statistics.median(a / b for a, b in zip(times[slow], times[fast]))
+
+
+def ms(samples: list[float]) -> float:
+    return 1e3 * statistics.median(samples)
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE") *
+            os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "threads": torch.get_num_threads(),
+            "load_average_start": os.getloadavg()[0], "python": platform.python_version()}
+
+
+# ---- models and their compiled modules ----------------------------------------------------------
+class Compiled:
+    """A bundle's module in an IREE session, called with device-resident state."""
+
+    def __init__(self, bundle: Bundle):
+        import iree.runtime as rt
+
+        from .session import Session
+
+        self.session = Session(bundle)
+        self.device, self._asdevice = self.session.config.device, rt.asdevicearray
+
+    def on_device(self, state: K3State) -> list:
+        return [self._asdevice(self.device, t.numpy()) for t in pytree.tree_leaves(state)]
+
+    def decode(self, token: np.ndarray, state: list) -> np.ndarray:
+        logits, *_ = self.session.program.decode(token, *state)
+        return self.session.host(logits)
+
+    def prefill(self, ids: np.ndarray) -> np.ndarray:
+        logits, *_ = self.session.program.prefill(ids)
+        return self.session.host(logits)
+
+
+def all_mla(cfg: K3Config) -> K3Config:
+    """The same model with every attention layer Gated MLA (no KDA)."""
+    plan = {"full_attn_layers": list(range(1, cfg.num_hidden_layers + 1)), "kda_layers": []}
+    return dataclasses.replace(cfg, linear_attn_config={**cfg.linear_attn_config, **plan})
+
+
+def with_layers(cfg: K3Config, n: int) -> K3Config:
+    """``cfg`` at depth ``n`` with the published plan (MLA at every fourth layer and the last)."""
+    full = every_fourth_and_last(n)
+    plan = {"full_attn_layers": full, "kda_layers": [i for i in range(1, n + 1) if i not in full]}
+    return dataclasses.replace(cfg, num_hidden_layers=n, linear_attn_config={**cfg.linear_attn_config, **plan})
+
+
+def checkpoint_for(cfg: K3Config, path: Path, seed: int, log) -> Path:
+    """A seeded random checkpoint of ``cfg`` at ``path``, written unless one of this config is there."""
+    if (path / "config.json").is_file() and K3Config.from_hf(path).hash == cfg.hash:
+        return path
+    log(f"writing a random checkpoint of {cfg.hash} to {path}")
+    save_checkpoint(init_weights(K3Model(cfg), seed), path)
+    return path
+
+
+def bench_bundle(path: Path, checkpoint: Path, target: Target, max_prompt: int, log) -> tuple[Bundle, K3Model]:
+    """The bundle at ``path`` if its module is the one the compile cache holds for ``checkpoint``
+    (so a source change rebuilds it), else a new one; and the eager model on the same weights."""
+    model = load_checkpoint(checkpoint, dtype=torch.float32).eval()
+    try:
+        bundle = open_bundle(path)
+        fresh = compile_model(model, stored_dtypes(checkpoint), target, max_prompt=max_prompt, log=log).vmfb
+        if bundle.manifest.max_prompt == max_prompt and bundle.module_path.read_bytes() == fresh:
+            return bundle, model
+    except K3Error:
+        pass
+    return build_bundle(path, target, checkpoint=checkpoint, max_prompt=max_prompt, log=log), model
+
+
+def synthetic_state(model: K3Model, cached: int, seed: int = 0) -> K3State:
+    """A decode state with ``cached`` tokens seen: random values at the scales prefill leaves."""
+    gen = torch.Generator().manual_seed(seed)
+    init = model.init_state(1)
+    width = model.cfg.mla_cache_width
+    return K3State([torch.randn(t.shape, generator=gen) for t in init.kda_conv],
+                   [0.1 * torch.randn(t.shape, generator=gen) for t in init.kda_S],
+                   [torch.randn(1, cached, width, generator=gen) for _ in init.mla_cache])
+
+
+# ---- sections -----------------------------------------------------------------------------------
+def bench_decode(compiled: Compiled, model: K3Model, contexts, rounds: int, log) -> dict:
+    token = np.array([[1]], dtype=np.int64)
+    rows = []
+    for n in contexts:
+        state = synthetic_state(model, n - 1)
+        on_device = compiled.on_device(state)
+        with torch.no_grad():
+            times = interleaved({"eager": lambda: model.decode(torch.from_numpy(token), state),
+                                 "compiled": lambda: compiled.decode(token, on_device)}, rounds)
+        rows.append({"context": n, "eager_ms": ms(times["eager"]), "compiled_ms": ms(times["compiled"]),
+                     "speedup": ratio(times, "eager", "compiled")})
+        log(f"decode at context {n}: {rows[-1]['compiled_ms']:.1f} ms compiled, {rows[-1]['eager_ms']:.1f} ms eager")
+    return {"state": "synthesized random state with context - 1 cached tokens", "rows": rows}
+
+
+def bench_prefill(compiled: Compiled, model: K3Model, lengths, rounds: int, log) -> dict:
+    rows = []
+    for T in lengths:
+        ids = np.random.default_rng(T).integers(0, model.cfg.vocab_size, (1, T))
+        with torch.no_grad():
+            times = interleaved({"eager": lambda: model.prefill(torch.from_numpy(ids)),
+                                 "compiled": lambda: compiled.prefill(ids)}, rounds)
+        rows.append({"tokens": T, "eager_tok_s": T / statistics.median(times["eager"]),
+                     "compiled_tok_s": T / statistics.median(times["compiled"]),
+                     "speedup": ratio(times, "eager", "compiled")})
+        log(f"prefill {T} tokens: {rows[-1]['compiled_tok_s']:.0f} tok/s compiled, {rows[-1]['eager_tok_s']:.0f} eager")
+    return {"rows": rows}
+
+
+def _load(vmfb: bytes):
+    import iree.runtime as rt
+
+    config = rt.Config("local-task")
+    return config.device, rt.load_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb), config).main
+
+
+def bench_kda(cfg: K3Config, sizes: Sizes, target: Target, rounds: int, log) -> dict:
+    import iree.runtime as rt
+
+    H, K = cfg.kda_heads, cfg.kda_head_dim
+    top = max(sizes.kda_tokens)
+    device, chunkwise = _load(bench_ops.kda_module(H, K, top, "chunkwise", target, log))
+    _, token_scan = _load(bench_ops.kda_module(H, K, top, "token_scan", target, log))
+    inputs = {T: [rt.asdevicearray(device, a) for a in bench_ops.kda_inputs(T, H, K)] for T in sizes.kda_tokens}
+    cases = {f"chunkwise {T}": (lambda x=inputs[T]: chunkwise(*x)[0].to_host()) for T in sizes.kda_tokens}
+    scan_T = sizes.kda_scan_tokens
+    cases[f"token_scan {scan_T}"] = lambda: token_scan(*inputs[scan_T])[0].to_host()
+    times = interleaved(cases, rounds)
+    base = sizes.kda_tokens[len(sizes.kda_tokens) // 2 - 1]
+    out = {"heads": H, "head_dim": K,
+           "rows": [{"tokens": T, "chunkwise_ms": ms(times[f"chunkwise {T}"])} for T in sizes.kda_tokens],
+           "token_scan": {"tokens": scan_T, "ms": ms(times[f"token_scan {scan_T}"])},
+           "growth": {"from": base, "to": top, "ratio": ratio(times, f"chunkwise {top}", f"chunkwise {base}"),
+                      "linear": top / base},
+           "chunkwise_vs_token_scan": ratio(times, f"token_scan {scan_T}", f"chunkwise {scan_T}")}
+    log(f"kda: time({top})/time({base}) = {out['growth']['ratio']:.2f}; chunkwise "
+        f"{out['chunkwise_vs_token_scan']:.1f}x faster than token by token at T = {scan_T}")
+    return out
+
+
+def bench_moe(cfg: K3Config, sizes: Sizes, target: Target, rounds: int, log) -> dict:
+    import iree.runtime as rt
+
+    E, k, L, I = (sizes.moe[x] for x in "EkLI")
+    act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+    token, mx = bench_ops.moe_inputs(E, k, L, I)
+    bf16 = [bench_ops.as_bf16(mx[i], mx[i + 1]) for i in (0, 2, 4)]
+    device, mx_fn = _load(bench_ops.moe_module("mxfp4", act, token, mx, target, log))
+    _, bf_fn = _load(bench_ops.moe_module("bf16", act, token, bf16, target, log))
+    tok = [rt.asdevicearray(device, a) for a in token]
+    mx_dev = [rt.asdevicearray(device, a) for a in mx]
+    bf_dev = [rt.asdevicearray(device, w.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)) for w in bf16]
+    del bf16
+    y_mx, y_bf = mx_fn(*tok, *mx_dev).to_host(), bf_fn(*tok, *bf_dev).to_host()
+    src = np.ones(sizes.copy_bytes // 8)
+    dst = np.empty_like(src)
+    times = interleaved({"copy": lambda: np.copyto(dst, src), "mxfp4": lambda: mx_fn(*tok, *mx_dev).to_host(),
+                         "bf16": lambda: bf_fn(*tok, *bf_dev).to_host()}, rounds)
+    mx_bytes = k * sum(a[0].nbytes for a in mx)  # the k picked experts' packed weights and scales
+    bf_bytes = k * 3 * I * L * 2
+    copy_gbs = 2 * src.nbytes / statistics.median(times["copy"]) / 1e9
+    out = {"shape": sizes.moe, "mxfp4_bytes_per_token": mx_bytes, "bf16_bytes_per_token": bf_bytes,
+           "copy_bytes": src.nbytes, "copy_GBps": copy_gbs,
+           "mxfp4_ms": ms(times["mxfp4"]), "bf16_ms": ms(times["bf16"]),
+           "mxfp4_GBps": mx_bytes / statistics.median(times["mxfp4"]) / 1e9,
+           "bf16_GBps": bf_bytes / statistics.median(times["bf16"]) / 1e9,
+           # both against the same rounds' copy: (bytes/t_moe) / (2 * copy bytes / t_copy)
+           "mxfp4_fraction_of_copy": ratio(times, "copy", "mxfp4") * mx_bytes / (2 * src.nbytes),
+           "mxfp4_over_bf16_speedup": ratio(times, "bf16", "mxfp4"),
+           "mxfp4_vs_bf16_max_rel_diff": float(np.abs(y_mx - y_bf).max() / np.abs(y_bf).max())}
+    log(f"moe: mxfp4 {out['mxfp4_GBps']:.1f} GB/s of weights, copy {copy_gbs:.1f} GB/s, "
+        f"{out['mxfp4_over_bf16_speedup']:.2f}x faster than bf16")
+    return out
+
+
+def bench_hybrid(hybrid: tuple[Compiled, K3Model], mla: tuple[Compiled, K3Model], contexts, rounds: int, log) -> dict:
+    token = np.array([[1]], dtype=np.int64)
+    rows = []
+    for n in contexts:
+        states = [c.on_device(synthetic_state(m, n - 1)) for c, m in (hybrid, mla)]
+        times = interleaved({"hybrid": lambda: hybrid[0].decode(token, states[0]),
+                             "all_mla": lambda: mla[0].decode(token, states[1])}, rounds)
+        rows.append({"context": n, "hybrid_ms": ms(times["hybrid"]), "all_mla_ms": ms(times["all_mla"]),
+                     "advantage": ratio(times, "all_mla", "hybrid")})
+        log(f"hybrid at context {n}: {rows[-1]['advantage']:.2f}x faster than all-MLA")
+    return {"rows": rows}
+
+
+# Runs a command and reports its wall and CPU time and peak memory. It runs in a small helper
+# process because Linux counts the memory a child had before exec (a copy of its parent's) in the
+# child's peak: spawned from this process, iree-compile would report this process's size.
+_MEASURE = """import json, resource, subprocess, sys, time
+t0 = time.perf_counter()
+r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+u = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"rc": r.returncode, "wall_s": time.perf_counter() - t0, "cpu_s": u.ru_utime + u.ru_stime,
+                  "peak_MiB": u.ru_maxrss / 1024, "error": (r.stderr.strip().splitlines() or [""])[-1]}))"""
+
+
+def iree_compile(mlir: Path, target: Target) -> dict:
+    """Run the iree-compile tool on ``mlir`` with the flags compile_mlir uses: wall and CPU seconds
+    (user + system, all its threads) and peak resident memory."""
+    from iree.compiler.tools.core import find_tool
+
+    cmd = [find_tool("iree-compile"), str(mlir), "--iree-input-type=torch", *target.flags, "-o", os.devnull]
+    report = json.loads(subprocess.run([sys.executable, "-c", _MEASURE, *cmd], capture_output=True, text=True,
+                                       check=True).stdout)
+    if report.pop("rc"):
+        raise K3Error(f"bench: iree-compile failed on {mlir}: {report['error']}")
+    del report["error"]
+    return report
+
+
+def bench_compile(cfg: K3Config, sizes: Sizes, target: Target, work: Path, log) -> dict:
+    """iree-compile of the lowered module at each depth, once each. Judged on CPU time: a compile
+    runs for minutes, too long to interleave, and its CPU time hardly moves with other load."""
+    files = {}
+    for n in sizes.compile_layers:
+        model = K3Model(with_layers(cfg, n)).eval()
+        dtypes = {k: stored_dtype(k, t) for k, t in model.state_dict().items()}
+        module, _ = export_cached(model, dtypes, max_prompt=sizes.max_prompt, log=log)
+        Pipeline.for_target(target).run(module, log=lambda m: None)
+        files[n] = work / f"compile-{cfg.hash}-{n}-layers.mlir"
+        files[n].write_text(str(module))
+        del model, module
+    rows = []
+    for n, path in files.items():
+        rows.append({"layers": n, **iree_compile(path, target)})
+        log(f"iree-compile at {n} layers: {rows[-1]['wall_s']:.0f} s wall, {rows[-1]['cpu_s']:.0f} s CPU, "
+            f"{rows[-1]['peak_MiB']:.0f} MiB peak")
+    lo, hi = rows[0], rows[-1]
+    return {"rows": rows, "time_ratio": {"from": lo["layers"], "to": hi["layers"],
+                                         **{k: hi[k] / lo[k] for k in ("cpu_s", "wall_s")}}}
+
+
+# ---- the whole run ------------------------------------------------------------------------------
+def use_threads(n: int) -> None:
+    """n threads for PyTorch and for IREE's local-task workers alike (before IREE's first device).
+    On a small shared machine one thread each keeps the comparison fair: threads that wait on each
+    other under load from other processes slow eager PyTorch by up to 10x."""
+    import iree.runtime as rt
+
+    torch.set_num_threads(n)
+    rt.flags.parse_flags(f"--task_topology_group_count={n}")
+
+
+def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", threads: int = 1, log=print) -> dict:
+    """Run ``sections`` (default: those of ``sizes``) at ``sizes`` with ``threads`` threads on each
+    side; the JSON-ready results."""
+    sections = sections or sizes.sections
+    use_threads(threads)
+    tgt = parse_target(target)
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = K3Config.preset(sizes.preset)
+    result = {"machine": machine(), "target": tgt.name, "sizes": dataclasses.asdict(sizes), "sections": {}}
+    out = result["sections"]
+    if {"decode", "prefill", "hybrid"} & set(sections):
+        ck = checkpoint_for(cfg, work / f"{sizes.preset}-checkpoint", 0, log)
+        bundle, model = bench_bundle(work / sizes.preset, ck, tgt, sizes.max_prompt, log)
+        compiled = Compiled(bundle)
+    for name in sections:
+        t0 = time.perf_counter()
+        log(f"bench {name} ...")
+        if name == "decode":
+            out[name] = bench_decode(compiled, model, sizes.decode_contexts, sizes.rounds, log)
+        elif name == "prefill":
+            out[name] = bench_prefill(compiled, model, sizes.prefill_tokens, sizes.slow_rounds, log)
+        elif name == "kda":
+            out[name] = bench_kda(cfg, sizes, tgt, sizes.rounds, log)
+        elif name == "moe":
+            out[name] = bench_moe(cfg, sizes, tgt, sizes.rounds, log)
+        elif name == "hybrid":
+            mla_cfg = all_mla(cfg)
+            ck = checkpoint_for(mla_cfg, work / f"{sizes.preset}-all-mla-checkpoint", 0, log)
+            mla_bundle, mla_model = bench_bundle(work / f"{sizes.preset}-all-mla", ck, tgt, sizes.max_prompt, log)
+            out[name] = bench_hybrid((compiled, model), (Compiled(mla_bundle), mla_model), sizes.hybrid_contexts,
+                                     sizes.rounds, log)
+        elif name == "compile":
+            out[name] = bench_compile(cfg, sizes, tgt, work, log)
+        out[name]["seconds"] = time.perf_counter() - t0
+        log(f"bench {name} done in {out[name]['seconds']:.0f} s")
+    result["machine"]["load_average_end"] = os.getloadavg()[0]
+    return result

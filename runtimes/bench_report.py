@@ -1,0 +1,158 @@
+"""The targets of ``k3c bench`` judged on its results, as a Markdown table and a plot."""
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it into place."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.remove(tmp)
+        raise
+
+
+def _row(figure: str, value: float, target: str, met: bool, fmt: str = "{:.2f}x") -> dict:
+    return {"figure": figure, "measured": fmt.format(value), "value": value, "target": target, "met": bool(met)}
+
+
+def targets(sections: dict) -> list[dict]:
+    """One row per judged figure present in ``sections``."""
+    rows = []
+    if "decode" in sections:
+        for r in sections["decode"]["rows"]:
+            rows.append(_row(f"decode speedup at context {r['context']}", r["speedup"], ">= 3x", r["speedup"] >= 3))
+        first, last = sections["decode"]["rows"][0], sections["decode"]["rows"][-1]
+        growth = last["compiled_ms"] / first["compiled_ms"]
+        rows.append(_row(f"compiled decode time, context {last['context']} / {first['context']}", growth,
+                         "> 1 (grows with the context used)", growth > 1))
+    if "prefill" in sections:
+        for r in sections["prefill"]["rows"]:
+            rows.append(_row(f"prefill speedup at T = {r['tokens']}", r["speedup"], ">= 3x", r["speedup"] >= 3))
+    if "kda" in sections:
+        k = sections["kda"]
+        g = k["growth"]
+        limit = 1.25 * g["linear"]
+        rows.append(_row(f"KDA chunkwise time({g['to']}) / time({g['from']})", g["ratio"], f"<= {limit:g}",
+                         g["ratio"] <= limit))
+        rows.append(_row(f"KDA chunkwise vs token-by-token at T = {k['token_scan']['tokens']}",
+                         k["chunkwise_vs_token_scan"], ">= 5x", k["chunkwise_vs_token_scan"] >= 5))
+    if "moe" in sections:
+        m = sections["moe"]
+        rows.append(_row("MXFP4 expert FFN weight bytes/s over copy bandwidth", m["mxfp4_fraction_of_copy"],
+                         ">= 40%", m["mxfp4_fraction_of_copy"] >= 0.4, "{:.0%}"))
+        rows.append(_row("MXFP4 experts vs bf16 experts (decode step)", m["mxfp4_over_bf16_speedup"], "> 1x",
+                         m["mxfp4_over_bf16_speedup"] > 1))
+    if "hybrid" in sections:
+        adv = [r["advantage"] for r in sections["hybrid"]["rows"]]
+        ctx = "/".join(str(r["context"]) for r in sections["hybrid"]["rows"])
+        rows.append({"figure": f"hybrid vs all-MLA decode advantage at {ctx}", "value": adv,
+                     "measured": ", ".join(f"{a:.2f}x" for a in adv), "target": "grows with context",
+                     "met": all(b > a for a, b in zip(adv, adv[1:]))})
+    if "compile" in sections:
+        c = sections["compile"]["time_ratio"]
+        rows.append(_row(f"iree-compile CPU time, {c['to']} / {c['from']} layers (wall: {c['wall_s']:.2f}x)",
+                         c["cpu_s"], "<= 1.5x", c["cpu_s"] <= 1.5))
+    return rows
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['threads']} thread(s) for PyTorch "
+             f"and for IREE, load average {m['load_average_start']:.1f} at start, "
+             f"{m.get('load_average_end', float('nan')):.1f} at end; "
+             f"target {result['target']}, model {result['sizes']['preset']}; sections run: "
+             f"{', '.join(result['sections'])}.", "",
+             "| figure | measured | target | met |", "|---|---:|---|:---:|"]
+    lines += [f"| {t['figure']} | {t['measured']} | {t['target']} | {'yes' if t['met'] else '**no**'} |"
+              for t in result["targets"]]
+    lines += ["", "Absolute medians (not judged):", ""]
+    s = result["sections"]
+    if "decode" in s:
+        lines.append("- decode ms/token (compiled / eager): " + ", ".join(
+            f"{r['context']}: {r['compiled_ms']:.1f} / {r['eager_ms']:.1f}" for r in s["decode"]["rows"])
+            + f" ({s['decode']['state']})")
+    if "prefill" in s:
+        lines.append("- prefill tok/s (compiled / eager): " + ", ".join(
+            f"T={r['tokens']}: {r['compiled_tok_s']:.0f} / {r['eager_tok_s']:.0f}" for r in s["prefill"]["rows"]))
+    if "kda" in s:
+        k = s["kda"]
+        lines.append(f"- KDA chunkwise ms (H={k['heads']}, K={k['head_dim']}): " + ", ".join(
+            f"{r['tokens']}: {r['chunkwise_ms']:.1f}" for r in k["rows"])
+            + f"; token by token at {k['token_scan']['tokens']}: {k['token_scan']['ms']:.1f}")
+    if "moe" in s:
+        mo = s["moe"]
+        lines.append(f"- MoE decode step {mo['shape']}: MXFP4 {mo['mxfp4_ms']:.2f} ms ({mo['mxfp4_GBps']:.1f} GB/s "
+                     f"of {mo['mxfp4_bytes_per_token'] / 1e6:.1f} MB), bf16 {mo['bf16_ms']:.2f} ms "
+                     f"({mo['bf16_GBps']:.1f} GB/s of {mo['bf16_bytes_per_token'] / 1e6:.1f} MB), "
+                     f"copy {mo['copy_GBps']:.1f} GB/s (read + write)")
+    if "hybrid" in s:
+        lines.append("- decode ms/token (hybrid / all-MLA): " + ", ".join(
+            f"{r['context']}: {r['hybrid_ms']:.1f} / {r['all_mla_ms']:.1f}" for r in s["hybrid"]["rows"]))
+    if "compile" in s:
+        lines.append("- iree-compile: " + ", ".join(
+            f"{r['layers']} layers {r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s CPU, {r['peak_MiB']:.0f} MiB peak"
+            for r in s["compile"]["rows"]))
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, out: Path) -> None:
+    """One panel per section present; written atomically to ``out`` (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = result["sections"]
+    panels = [name for name in ("decode", "prefill", "kda", "moe", "hybrid", "compile") if name in s]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], panels):
+        rows = s[name].get("rows", [])
+        if name == "decode":
+            x = [r["context"] for r in rows]
+            ax.plot(x, [r["eager_ms"] for r in rows], "o-", label="eager")
+            ax.plot(x, [r["compiled_ms"] for r in rows], "o-", label="compiled")
+            ax.set(xscale="log", yscale="log", xlabel="context", ylabel="ms / token", title="decode")
+        elif name == "prefill":
+            x = [str(r["tokens"]) for r in rows]
+            ax.bar([i - 0.2 for i in range(len(x))], [r["eager_tok_s"] for r in rows], 0.4, label="eager")
+            ax.bar([i + 0.2 for i in range(len(x))], [r["compiled_tok_s"] for r in rows], 0.4, label="compiled")
+            ax.set(xticks=range(len(x)), xticklabels=x, xlabel="prompt tokens", ylabel="tokens / s", title="prefill")
+        elif name == "kda":
+            x = [r["tokens"] for r in rows]
+            ax.plot(x, [r["chunkwise_ms"] for r in rows], "o-", label="chunkwise")
+            ax.plot(x, [rows[0]["chunkwise_ms"] * t / x[0] for t in x], ":", color="gray", label="linear")
+            ax.plot([s[name]["token_scan"]["tokens"]], [s[name]["token_scan"]["ms"]], "s", label="token by token")
+            ax.set(xscale="log", yscale="log", xlabel="T", ylabel="ms", title="KDA prefill op")
+        elif name == "moe":
+            m = s[name]
+            ax.bar(["copy", "MXFP4", "bf16"], [m["copy_GBps"], m["mxfp4_GBps"], m["bf16_GBps"]])
+            ax.set(ylabel="GB/s (weights read; copy: read + write)", title="MoE decode step")
+        elif name == "hybrid":
+            x = [r["context"] for r in rows]
+            ax.plot(x, [r["hybrid_ms"] for r in rows], "o-", label="hybrid")
+            ax.plot(x, [r["all_mla_ms"] for r in rows], "o-", label="all MLA")
+            ax.set(xscale="log", xlabel="context", ylabel="ms / token", title="decode, hybrid vs all-MLA")
+        elif name == "compile":
+            x = [r["layers"] for r in rows]
+            ax.plot(x, [r["wall_s"] for r in rows], "o-", label="wall s")
+            ax.plot(x, [r["cpu_s"] for r in rows], "o-", label="CPU s")
+            ax2 = ax.twinx()
+            ax2.plot(x, [r["peak_MiB"] for r in rows], "s--", color="C1", label="peak MiB")
+            ax2.set_ylabel("peak MiB")
+            ax.set(xlabel="layers", ylabel="s", title="iree-compile")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"k3c bench ({result['sizes']['preset']}, {result['machine']['cpu']}, "
+                 f"{result['machine']['cores']} cores)", fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    write_atomic(Path(out), buf.getvalue())

@@ -1,0 +1,36 @@
+"""Smoke test of ``k3c bench --quick``: it runs every section and writes results that hold together.
+
+The k3-tiny module comes from the suite's compile cache (``tiny_bundle`` compiled it, same config,
+seed and max prompt); only the four toy op modules are compiled here. (--quick leaves out the
+hybrid and compile sections, which compile whole models.)
+"""
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from k3c.cli import main
+from k3c.runtimes.bench import QUICK
+
+
+def test_bench_quick_writes_json(tiny_bundle, k3c_cache, tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = CliRunner().invoke(main, ["bench", "--quick", "--json", str(out), "--plot", str(png),
+                                       "--work", str(tmp_path / "work")], env={"K3C_CACHE": str(k3c_cache)})
+    assert result.exit_code == 0, (result.output, result.exception)
+    data = json.loads(out.read_text())
+    assert set(data) >= {"machine", "target", "sizes", "sections", "targets"}
+    assert list(data["sections"]) == list(QUICK.sections)
+    sizes = data["sizes"]
+    assert [r["context"] for r in data["sections"]["decode"]["rows"]] == sizes["decode_contexts"]
+    assert [r["tokens"] for r in data["sections"]["prefill"]["rows"]] == sizes["prefill_tokens"]
+    assert [r["tokens"] for r in data["sections"]["kda"]["rows"]] == sizes["kda_tokens"]
+    for row in data["sections"]["decode"]["rows"]:
+        assert row["eager_ms"] > 0 and row["compiled_ms"] > 0 and row["speedup"] > 0
+    # the bf16 experts hold exactly the MXFP4 values, so both modules compute the same FFN
+    assert data["sections"]["moe"]["mxfp4_vs_bf16_max_rel_diff"] < 1e-5
+    for t in data["targets"]:
+        assert set(t) >= {"figure", "measured", "target", "met"} and isinstance(t["met"], bool)
+    assert "| figure | measured | target | met |" in result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
