@@ -106,13 +106,18 @@ def markdown(result: dict) -> str:
 def plot(result: dict, out: Path) -> None:
     """One panel per section present; written atomically to ``out`` (PNG)."""
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     s = result["sections"]
     panels = [name for name in ("decode", "prefill", "kda", "moe", "hybrid", "compile") if name in s]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    for ax, name in zip(axes[0], panels):
+    cols = min(3, len(panels))
+    rows_n = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.6 * cols, 3.6 * rows_n), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, panels):
         rows = s[name].get("rows", [])
         if name == "decode":
             x = [r["context"] for r in rows]
@@ -144,9 +149,12 @@ def plot(result: dict, out: Path) -> None:
             ax.plot(x, [r["wall_s"] for r in rows], "o-", label="wall s")
             ax.plot(x, [r["cpu_s"] for r in rows], "o-", label="CPU s")
             ax2 = ax.twinx()
-            ax2.plot(x, [r["peak_MiB"] for r in rows], "s--", color="C1", label="peak MiB")
+            ax2.plot(x, [r["peak_MiB"] for r in rows], "s--", color="C2", label="peak MiB")
             ax2.set_ylabel("peak MiB")
             ax.set(xlabel="layers", ylabel="s", title="iree-compile")
+        if ax.get_xscale() == "log":  # label the measured points, not the decades
+            ax.set_xticks(x, [str(v) for v in x], rotation=45)
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle(f"k3c bench ({result['sizes']['preset']}, {result['machine']['cpu']}, "
