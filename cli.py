@@ -294,7 +294,7 @@ def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_l
     per step max abs/rel error, cosine, top-1/top-5 agreement; exit 1 on FAIL."""
     from rich.console import Console
     from rich.table import Table
-    from .artifacts.bundle import open_bundle
+    from .artifacts.bundle import open_bundle, write_atomic
     from .runtimes.validate import TOLERANCE, as_dicts, first_divergent, validate as run_validation
     with spinner("validate: current step"):
         b = open_bundle(bundle) if bundle else _build(preset, checkpoint, seed, max_prompt, target, output)
@@ -317,8 +317,9 @@ def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_l
         bad = first_divergent(layers, tol)
         click.echo(f"first divergent layer: {bad.layer} ({bad.kind})" if bad else "no layer diverges")
     if json_out:
-        Path(json_out).write_text(json.dumps({"bundle": str(b.root), "target": b.manifest.target["name"],
-                                              "tolerance": tol, "steps": as_dicts(steps), "layers": as_dicts(layers)}, indent=2))
+        write_atomic(Path(json_out), json.dumps({"bundle": str(b.root), "target": b.manifest.target["name"],
+                                                 "tolerance": tol, "steps": as_dicts(steps),
+                                                 "layers": as_dicts(layers)}, indent=2).encode())
     ok = all(s.passed for s in steps)
     click.echo("PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
@@ -380,7 +381,8 @@ def bench(quick, json_out, plot_out, only, work, threads, compile_layers):
     measurements interleaved in this run. Prints a Markdown table of the targets; exit 0 even on misses."""
     import dataclasses
     from .runtimes.bench import FULL, QUICK, run_bench
-    from .runtimes.bench_report import markdown, plot, targets, write_atomic
+    from .artifacts.bundle import write_atomic
+    from .runtimes.bench_report import markdown, plot, targets
     sizes = QUICK if quick else FULL
     if compile_layers:
         depths = [int(x) for x in compile_layers.split(",") if x.strip().isdigit()]

@@ -38,11 +38,11 @@ class Compiled:
     key: str
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     return Path(os.environ.get("K3C_CACHE", Path.home() / ".cache" / "k3c"))
 
 
-def _source_hash(dirs: tuple[str, ...] = COMPILE_SOURCES) -> str:
+def source_hash(dirs: tuple[str, ...] = COMPILE_SOURCES) -> str:
     """Hash of the code in ``dirs`` (the code that shapes a cached module), so a change misses the cache."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
@@ -74,7 +74,8 @@ def lower_model(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt: i
     return module
 
 
-def _key(**parts) -> str:
+def cache_key(**parts) -> str:
+    """A short hash of ``parts`` (JSON-serialisable): the name of a cache entry."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -85,9 +86,9 @@ def export_cached(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt:
 
     from ..exporter.export import export_model
 
-    cached = _cache_dir() / "export" / _key(
+    cached = cache_dir() / "export" / cache_key(
         config=model.cfg.hash, dtypes={k: str(v) for k, v in sorted(dtypes.items())}, max_prompt=max_prompt,
-        batch=batch, source=_source_hash(EXPORT_SOURCES), versions=package_versions())
+        batch=batch, source=source_hash(EXPORT_SOURCES), versions=package_versions())
     if (cached / "torch.mlir").is_file():
         log(f"exported module found in cache ({cached})")
         module = ir.Module.parse((cached / "torch.mlir").read_text(), context=ir.Context())
@@ -105,10 +106,10 @@ def compile_model(model: K3Model, dtypes: dict[str, torch.dtype], target: Target
     or fetch the compiled module from the cache."""
     from ..passes.pipeline import Pipeline
 
-    key = _key(config=model.cfg.hash, dtypes={k: str(v) for k, v in sorted(dtypes.items())},
-               target=target.to_dict(), max_prompt=max_prompt, batch=batch, source=_source_hash(),
-               versions=package_versions())
-    cached = _cache_dir() / key
+    key = cache_key(config=model.cfg.hash, dtypes={k: str(v) for k, v in sorted(dtypes.items())},
+                    target=target.to_dict(), max_prompt=max_prompt, batch=batch, source=source_hash(),
+                    versions=package_versions())
+    cached = cache_dir() / key
     if (cached / "module.vmfb").is_file():
         log(f"compiled module found in cache ({cached})")
         return Compiled((cached / "module.vmfb").read_bytes(), json.loads((cached / "entry_points.json").read_text()), key)

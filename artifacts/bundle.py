@@ -72,6 +72,20 @@ def hash_dir(path: Path) -> str:
     return h.hexdigest()
 
 
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.remove(tmp)
+        raise
+
+
 @contextlib.contextmanager
 def atomic_dir(target: Path):
     """Yield a temporary directory beside ``target``; rename it to ``target`` on success, remove it

@@ -10,7 +10,6 @@ Compiled modules are cached by the hash of their MLIR text, target and package v
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +21,8 @@ from iree.compiler import ir
 from iree.compiler.extras.fx_importer import FxImporter
 from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
-from ..artifacts.build import _cache_dir, _source_hash
-from ..artifacts.bundle import package_versions
+from ..artifacts.build import cache_dir, cache_key, source_hash
+from ..artifacts.bundle import package_versions, write_atomic
 from ..model import kda, mxfp4, ops  # noqa: F401  (ops registers torch.ops.k3.*)
 from ..model.moe import glu_act
 from ..passes import expert_loops
@@ -119,19 +118,15 @@ def lower(module: nn.Module, examples: tuple, pipeline: Pipeline, dynamic_shapes
 def compile_cached(name: str, spec: dict, make_mlir, target: Target, log=print) -> bytes:
     """The module ``make_mlir()`` compiles to, cached by what decides it: ``name`` and ``spec``
     (shapes), the source of model/, exporter/, passes/ and this file, the target and package versions."""
-    key = hashlib.sha256(json.dumps({
-        "name": name, "spec": spec, "source": _source_hash(),
-        "bench_ops": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
-        "target": target.to_dict(), "versions": package_versions()}, sort_keys=True).encode()).hexdigest()[:24]
-    path = _cache_dir() / "ops" / f"{name}-{key}.vmfb"
+    key = cache_key(name=name, spec=spec, source=source_hash(),
+                    bench_ops=hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+                    target=target.to_dict(), versions=package_versions())
+    path = cache_dir() / "ops" / f"{name}-{key}.vmfb"
     if path.is_file():
         log(f"{name}: compiled module found in cache")
         return path.read_bytes()
     vmfb = compile_mlir(make_mlir(), target, log=log)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(vmfb)
-    tmp.replace(path)
+    write_atomic(path, vmfb)
     return vmfb
 
 

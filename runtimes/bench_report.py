@@ -2,21 +2,9 @@
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 from pathlib import Path
 
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then rename it into place."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.remove(tmp)
-        raise
+from ..artifacts.bundle import write_atomic
 
 
 def _row(figure: str, value: float, target: str, met: bool, fmt: str = "{:.2f}x") -> dict:
