@@ -350,7 +350,7 @@ def targets(validate_preset, markdown, work):
     if validate_preset:
         columns += [f"{validate_preset} validated", "worst max abs", "tolerance"]
     yes_no = {True: "yes", False: "no"}
-    cells = [[r.target, r.driver, yes_no[r.compiles], yes_no[r.runs], r.device] + (
+    cells = [[r.target.name, r.target.driver, yes_no[r.compiles], yes_no[r.runs], r.device] + (
         [r.validated, "-" if r.max_abs is None else f"{r.max_abs:.1e}", f"{r.tolerance:g}"]
         if validate_preset else []) for r in rows]
     if markdown:

@@ -119,8 +119,7 @@ def runs_here(target: Target) -> bool:
 @dataclass
 class TargetStatus:
     """One row of ``k3c targets``; the last three are filled by ``--validate`` (runtimes/validate.py)."""
-    target: str
-    driver: str
+    target: Target
     compiles: bool            # the probe compile
     runs: bool                # a device of the driver (and profile) is here
     device: str               # the driver's first device, or "-"
@@ -144,5 +143,5 @@ def target_statuses() -> list[TargetStatus]:
     rows = []
     for t, ok in zip(targets, compiles):
         found = device.devices(t.driver)
-        rows.append(TargetStatus(t.name, t.driver, ok, runs_here(t), found[0] if found else "-"))
+        rows.append(TargetStatus(t, ok, runs_here(t), found[0] if found else "-"))
     return rows

@@ -92,11 +92,10 @@ def validate_targets(preset: str, work: Path, log=print) -> list[TargetStatus]:
     """``k3c targets --validate``: build a ``preset`` bundle under ``work`` for every known target
     that runs here and validate it; the others keep their probe results."""
     from ..artifacts.build import build_bundle
-    from .targets import parse_target
 
     rows = target_statuses()
     for row in rows:
-        t = parse_target(row.target)
+        t = row.target
         row.tolerance = TOLERANCE[t.backend]
         if row.compiles and row.runs:
             steps, _ = validate(build_bundle(work / t.name.replace(":", "-"), t, preset=preset, log=log))
