@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from .errors import K3Error
+from .runtimes.bench_report import SECTIONS as BENCH_SECTIONS
 
 
 class _Group(click.Group):
@@ -368,14 +369,15 @@ def targets(validate_preset, markdown, work):
 @click.option("--quick", is_flag=True, help="k3-tiny and toy sizes, no hybrid or compile sections (a smoke run).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None, help="Write a PNG plot.")
-@click.option("--only", multiple=True, type=click.Choice(["decode", "prefill", "kda", "moe", "hybrid", "compile"]),
+@click.option("--only", multiple=True, type=click.Choice(BENCH_SECTIONS),
               help="Run only these sections (repeatable; default all).")
 @click.option("--work", type=click.Path(file_okay=False), default="out/bench", show_default=True,
               help="Directory for the checkpoints, bundles and MLIR it builds (reused across runs).")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1),
               help="Threads for PyTorch and for IREE's workers alike.")
 @click.option("--compile-layers", default=None, metavar="N,N,...",
-              help="Depths of the compile section (default 8,16,32: hours of iree-compile on 2 cores).")
+              help="Depths of the compile section (default 8,16,32: about half an hour of export and "
+                   "iree-compile on 2 cores).")
 def bench(quick, json_out, plot_out, only, work, threads, compile_layers):
     """Compiled CPU modules vs PyTorch eager, and compiler costs; every judged figure is a ratio of
     measurements interleaved in this run. Prints a Markdown table of the targets; exit 0 even on misses."""

@@ -14,8 +14,6 @@ Each generator returns MLIR texts defining ``func @<sym>`` with the operator's b
 """
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from ..model import kda

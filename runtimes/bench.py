@@ -45,9 +45,8 @@ from ..model.init import init_weights
 from ..model.model import K3State
 from ..passes.pipeline import Pipeline
 from . import bench_ops
+from .bench_report import SECTIONS
 from .targets import Target, parse_target
-
-SECTIONS = ("decode", "prefill", "kda", "moe", "hybrid", "compile")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ from pathlib import Path
 
 from ..artifacts.bundle import write_atomic
 
+# the sections of ``k3c bench``, in the order they run and are reported (runtimes/bench.py)
+SECTIONS = ("decode", "prefill", "kda", "moe", "hybrid", "compile")
+
 
 def _row(figure: str, value: float, target: str, met: bool, fmt: str = "{:.2f}x") -> dict:
     return {"figure": figure, "measured": fmt.format(value), "value": value, "target": target, "met": bool(met)}
@@ -99,7 +102,7 @@ def plot(result: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     s = result["sections"]
-    panels = [name for name in ("decode", "prefill", "kda", "moe", "hybrid", "compile") if name in s]
+    panels = [name for name in SECTIONS if name in s]
     cols = min(3, len(panels))
     rows_n = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(4.6 * cols, 3.6 * rows_n), squeeze=False)
