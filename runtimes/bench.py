@@ -106,8 +106,9 @@ def machine() -> dict:
 
 
 # ---- models and their compiled modules ----------------------------------------------------------
-class Compiled:
-    """A bundle's module in an IREE session, called with device-resident state."""
+class TimedSession:
+    """A bundle's module in an IREE session, called with device-resident state: what the decode,
+    prefill and hybrid sections time."""
 
     def __init__(self, bundle: Bundle):
         import iree.runtime as rt
@@ -176,7 +177,7 @@ def synthetic_state(model: K3Model, cached: int, seed: int = 0) -> K3State:
 
 
 # ---- sections -----------------------------------------------------------------------------------
-def bench_decode(compiled: Compiled, model: K3Model, contexts, rounds: int, log) -> dict:
+def bench_decode(compiled: TimedSession, model: K3Model, contexts, rounds: int, log) -> dict:
     token = np.array([[1]], dtype=np.int64)
     rows = []
     for n in contexts:
@@ -191,7 +192,7 @@ def bench_decode(compiled: Compiled, model: K3Model, contexts, rounds: int, log)
     return {"state": "synthesized random state with context - 1 cached tokens", "rows": rows}
 
 
-def bench_prefill(compiled: Compiled, model: K3Model, lengths, rounds: int, log) -> dict:
+def bench_prefill(compiled: TimedSession, model: K3Model, lengths, rounds: int, log) -> dict:
     rows = []
     for T in lengths:
         ids = np.random.default_rng(T).integers(0, model.cfg.vocab_size, (1, T))
@@ -271,7 +272,7 @@ def bench_moe(cfg: K3Config, sizes: Sizes, target: Target, rounds: int, log) -> 
     return out
 
 
-def bench_hybrid(hybrid: tuple[Compiled, K3Model], mla: tuple[Compiled, K3Model], contexts, rounds: int, log) -> dict:
+def bench_hybrid(hybrid: tuple[TimedSession, K3Model], mla: tuple[TimedSession, K3Model], contexts, rounds: int, log) -> dict:
     token = np.array([[1]], dtype=np.int64)
     rows = []
     for n in contexts:
@@ -356,7 +357,7 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
     if {"decode", "prefill", "hybrid"} & set(sections):
         ck = checkpoint_for(cfg, work / f"{sizes.preset}-checkpoint", 0, log)
         bundle, model = bench_bundle(work / sizes.preset, ck, tgt, sizes.max_prompt, log)
-        compiled = Compiled(bundle)
+        compiled = TimedSession(bundle)
     for name in sections:
         t0 = time.perf_counter()
         log(f"bench {name} ...")
@@ -372,7 +373,7 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
             mla_cfg = all_mla(cfg)
             ck = checkpoint_for(mla_cfg, work / f"{sizes.preset}-all-mla-checkpoint", 0, log)
             mla_bundle, mla_model = bench_bundle(work / f"{sizes.preset}-all-mla", ck, tgt, sizes.max_prompt, log)
-            out[name] = bench_hybrid((compiled, model), (Compiled(mla_bundle), mla_model), sizes.hybrid_contexts,
+            out[name] = bench_hybrid((compiled, model), (TimedSession(mla_bundle), mla_model), sizes.hybrid_contexts,
                                      sizes.rounds, log)
         elif name == "compile":
             out[name] = bench_compile(cfg, sizes, tgt, work, log)
