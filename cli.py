@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from .errors import K3Error
-from .runtimes.bench_report import SECTIONS as BENCH_SECTIONS
+from .interface.bench_report import SECTIONS as BENCH_SECTIONS
 
 
 class _Group(click.Group):
@@ -213,7 +213,7 @@ def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir):
                     max_prompt=max_prompt, log=log)
         return
     import torch
-    from .artifacts.build import lower_model, stored_dtypes
+    from .interface.build import lower_model, stored_dtypes
     from .model import K3Model
     from .model.checkpoint import load_checkpoint, stored_dtype
     from .model.init import init_weights
@@ -243,12 +243,12 @@ def compile_cmd(preset, checkpoint, seed, max_prompt, target, output, onnx_dir):
 
 
 def _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir=None):
-    from .runtimes.targets import parse_target
+    from .compiler.targets import parse_target
     if onnx_dir and (preset or checkpoint):
         raise K3Error("compile: --onnx brings its own weights; drop --preset/--checkpoint")
     preset, checkpoint = (None, None) if onnx_dir else one_source(preset, checkpoint)
     tgt = parse_target(target)  # before the slow imports below: a bad --target fails at once
-    from .artifacts.build import build_bundle, build_bundle_from_onnx
+    from .interface.build import build_bundle, build_bundle_from_onnx
     if tgt.note:
         log(f"warning: {tgt.note}")
     name = Path(onnx_dir).name if onnx_dir else preset or Path(checkpoint).name
@@ -296,7 +296,7 @@ def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_l
     from rich.console import Console
     from rich.table import Table
     from .artifacts.bundle import open_bundle, write_atomic
-    from .runtimes.validate import TOLERANCE, as_dicts, first_divergent, validate as run_validation
+    from .interface.validate import TOLERANCE, as_dicts, first_divergent, validate as run_validation
     with spinner("validate: current step"):
         b = open_bundle(bundle) if bundle else _build(preset, checkpoint, seed, max_prompt, target, output)
         tol = TOLERANCE[b.manifest.target["backend"]]
@@ -338,10 +338,10 @@ def targets(validate_preset, markdown, work):
     result of each target that runs here."""
     from rich.console import Console
     from rich.table import Table
-    from .runtimes.targets import target_statuses
+    from .compiler.targets import target_statuses
     if validate_preset:
         from .model import K3Config
-        from .runtimes.validate import validate_targets
+        from .interface.validate import validate_targets
         K3Config.preset(validate_preset)  # an unknown preset fails before any compile
         with spinner("targets: validating"):
             rows = validate_targets(validate_preset, Path(work), log=log)
@@ -382,9 +382,9 @@ def bench(quick, json_out, plot_out, only, work, threads, compile_layers):
     """Compiled CPU modules vs PyTorch eager, and compiler costs; every judged figure is a ratio of
     measurements interleaved in this run. Prints a Markdown table of the targets; exit 0 even on misses."""
     import dataclasses
-    from .runtimes.bench import FULL, QUICK, run_bench
+    from .interface.bench import FULL, QUICK, run_bench
     from .artifacts.bundle import write_atomic
-    from .runtimes.bench_report import markdown, plot, targets
+    from .interface.bench_report import markdown, plot, targets
     sizes = QUICK if quick else FULL
     if compile_layers:
         depths = [int(x) for x in compile_layers.split(",") if x.strip().isdigit()]

@@ -4,7 +4,7 @@
     -> torch-mlir's ONNX importer (IREE's copy): prefill and decode as two functions of one module;
        each external-data initializer becomes ``util.global`` ``#flow.parameter.named<"model"::"<name>">``
        at its stored dtype, shared by both functions, so the bundle reads the checkpoint at run time
-    -> passes.onnx_ops.to_k3_ops: k3-domain nodes -> ``torch.operator "torch.k3.*"``
+    -> to_k3_ops: k3-domain nodes -> ``torch.operator "torch.k3.*"``
     -> convert-torch-onnx-to-torch: the remaining ONNX nodes -> torch ops
 
 From there Pipeline() lowers the k3 ops exactly as for the torch front end.
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 from google.protobuf.message import DecodeError
 from iree.compiler import ir, passmanager
 from iree.compiler.dialects import util
@@ -25,10 +26,10 @@ from iree.compiler.extras import onnx_importer
 from iree.compiler.tools.import_onnx.importer_externalization_overrides import ELEM_TYPE_TO_SIGNLESS_IR_TYPE
 
 from ..errors import K3Error
-from ..passes.onnx_ops import ONNX_TO_K3, to_k3_ops
 from .export import SCOPE
 from .onnx_export import MANIFEST
-from .onnx_ops import DOMAIN, DOMAIN_VERSION, OPSET
+from .onnx_ops import DOMAIN, DOMAIN_VERSION, ONNX_TO_K3, OPSET
+from .operators import custom_ops
 
 ENTRY_POINTS = ("prefill", "decode")
 
@@ -154,3 +155,38 @@ def import_onnx(directory: Path, log=print) -> ImportedModule:
     log(f"checked and imported {directory} to torch-dialect MLIR in {time.perf_counter() - t0:.1f}s "
         f"({len(parameters)} parameters, {n_custom} k3 custom ops)")
     return ImportedModule(module, manifest)
+
+
+def _torch_constant(attr: ir.Attribute) -> ir.Value:
+    if isinstance(attr, ir.StringAttr):
+        kind, value = "str", ir.StringAttr(attr)
+    elif isinstance(attr, ir.FloatAttr):
+        kind, value = "float", ir.FloatAttr.get(ir.F64Type.get(), ir.FloatAttr(attr).value)
+    elif isinstance(attr, ir.IntegerAttr):
+        kind, value = "int", ir.IntegerAttr.get(ir.IntegerType.get_signless(64), ir.IntegerAttr(attr).value)
+    else:
+        raise ValueError(f"no torch constant for ONNX attribute {attr}")
+    return ir.Operation.create(f"torch.constant.{kind}", results=[ir.Type.parse(f"!torch.{kind}")],
+                               attributes={"value": value}).result
+
+
+def to_k3_ops(module: ir.Module) -> int:
+    """Rewrite every imported k3-domain node as its ``torch.k3.*`` operator; returns how many."""
+    count = 0
+    with module.context, ir.Location.unknown():
+        for name, op in custom_ops(module, prefix="onnx."):
+            k3_name = ONNX_TO_K3.get(name.removeprefix("onnx."))
+            if k3_name is None:
+                continue
+            schema = getattr(torch.ops.k3, k3_name).default._schema
+            attributes = [a.name for a in schema.arguments if not isinstance(a.type, torch.TensorType)]
+            with ir.InsertionPoint(op), op.location:
+                consts = [_torch_constant(op.attributes[f"torch.onnx.{a}"]) for a in attributes]
+                new = ir.Operation.create("torch.operator", results=[r.type for r in op.results],
+                                          operands=[*op.operands, *consts],
+                                          attributes={"name": ir.StringAttr.get(f"torch.k3.{k3_name}")})
+            for old, result in zip(op.results, new.results):
+                old.replace_all_uses_with(result)
+            op.erase()
+            count += 1
+    return count

@@ -19,10 +19,11 @@ from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
 from ..model import ops  # noqa: F401  (registers torch.ops.k3.*)
-from ..passes.onnx_ops import ONNX_TO_K3
 
 DOMAIN = "k3"
 DOMAIN_VERSION = 1
+# ONNX op type in domain k3 -> torch.ops.k3.<name>
+ONNX_TO_K3 = {"KdaChunk": "kda_chunk", "KdaStep": "kda_step", "Mxfp4ExpertFfn": "mxfp4_moe"}
 OPSET = 20  # the ai.onnx opset torch.onnx.export (torch 2.13) writes by default
 FLOAT = ["tensor(float)", "tensor(double)"]
 

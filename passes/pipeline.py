@@ -40,7 +40,7 @@ class Pipeline:
 
     @classmethod
     def for_target(cls, target) -> "Pipeline":
-        """The default rewrites with ``target``'s variants (a runtimes.targets.Target) in their place."""
+        """The default rewrites with ``target``'s variants (a compiler.targets.Target) in their place."""
         variants = {r.op: r for r in VARIANTS.get(target.backend, [])}
         return cls([variants.get(r.op, r) for r in cls().rewrites])
 

@@ -14,6 +14,7 @@ import hashlib
 from iree.compiler import ir
 from iree.compiler.dialects import func as func_d
 
+from ..exporter.operators import custom_ops
 from .trace import TensorType
 
 
@@ -33,20 +34,6 @@ def _constant(value: ir.Value):
     if kind == "none":
         return None
     raise ValueError(f"custom op operand from {op.name} is not a constant")
-
-
-def custom_ops(module: ir.Module, prefix: str = "torch.k3.") -> list[tuple[str, ir.Operation]]:
-    found = []
-
-    def visit(op):
-        if op.name == "torch.operator":
-            name = ir.StringAttr(op.attributes["name"]).value
-            if name.startswith(prefix):
-                found.append((name, op.opview if hasattr(op, "opview") else op))
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit)
-    return found
 
 
 def merge_functions(module: ir.Module, text: str) -> None:

@@ -1,1 +1,1 @@
-"""runtimes: targets, iree-compile, and IREE runtime sessions that run and validate a bundle."""
+"""runtimes: IREE runtime sessions that load a bundle on a device and run it."""

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..artifacts.bundle import Bundle
 from ..errors import K3Error
-from .targets import Target
+from ..compiler.targets import Target
 
 
 @dataclass
@@ -36,7 +36,8 @@ class Session:
     def __init__(self, bundle: Bundle):
         import iree.runtime as rt
 
-        from .device import check_device, read_back
+        from ..compiler.devices import check_device
+        from .readback import read_back
 
         m = bundle.manifest
         self.bundle, self.vocab = bundle, m.config["vocab_size"]

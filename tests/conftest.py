@@ -53,8 +53,8 @@ def tiny_bundle(tmp_path_factory, k3c_cache):
     """ONE k3-tiny CPU bundle for the whole suite (seed-0 checkpoint inside, prefill up to 128 tokens):
     export, passes, iree-compile and reference outputs, about 2 minutes on 2 cores. Read it, don't
     modify it (copy it first)."""
-    from k3c.artifacts.build import build_bundle
-    from k3c.runtimes.targets import parse_target
+    from k3c.interface.build import build_bundle
+    from k3c.compiler.targets import parse_target
     with pytest.MonkeyPatch.context() as env:
         env.setenv("K3C_CACHE", str(k3c_cache))
         return build_bundle(tmp_path_factory.mktemp("bundles") / "k3-tiny-cpu", parse_target("cpu"),

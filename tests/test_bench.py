@@ -11,7 +11,7 @@ import json
 from click.testing import CliRunner
 
 from k3c.cli import main
-from k3c.runtimes.bench import QUICK
+from k3c.interface.bench import QUICK
 
 
 def test_bench_quick_writes_json(tiny_bundle, k3c_cache, tmp_path):

@@ -25,7 +25,7 @@ def compile_op(fn, example: tuple, dynamic_shapes=None):
     from iree.compiler.extras.fx_importer import FxImporter
 
     from k3c.passes.pipeline import Pipeline
-    from k3c.runtimes.targets import compile_mlir, parse_target
+    from k3c.compiler.targets import compile_mlir, parse_target
 
     class Op(torch.nn.Module):
         def forward(self, *args):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from k3c.artifacts.build import build_bundle
-from k3c.runtimes import device
-from k3c.runtimes.targets import parse_target
-from k3c.runtimes.validate import TOLERANCE, validate
+from k3c.interface.build import build_bundle
+from k3c.compiler import devices as device
+from k3c.compiler.targets import parse_target
+from k3c.interface.validate import TOLERANCE, validate
 
 
 def build_for(target: str, tiny_bundle, k3c_cache, tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Targets (runtimes/targets.py, runtimes/device.py): what --target accepts, the k3 custom ops'
+"""Targets (compiler/targets.py, compiler/devices.py): what --target accepts, the k3 custom ops'
 lowerings compiled for CUDA, ROCm and Vulkan, and run on a Vulkan device (Mesa's llvmpipe) against
 fla's naive KDA and an MXFP4 dequantisation by ml_dtypes.
 
@@ -24,8 +24,9 @@ from k3c.errors import K3Error
 from k3c.model import mxfp4
 from k3c.passes.lowerings import _recurrent_v_major, kda_step_v_major
 from k3c.passes.pipeline import Pipeline, Rewrite
-from k3c.runtimes import device
-from k3c.runtimes.targets import KNOWN_TARGETS, PROBE, Target, compile_mlir, compiles_here, parse_target
+from k3c.compiler import devices as device
+from k3c.runtimes.readback import read_back
+from k3c.compiler.targets import KNOWN_TARGETS, PROBE, Target, compile_mlir, compiles_here, parse_target
 
 LLVMPIPE = "llvmpipe (LLVM 15.0.6, 256 bits) (llvmpipe Mesa 22.3.6 (LLVM 15.0.6))"
 no_vulkan = pytest.mark.skipif(not device.devices("vulkan"),
@@ -138,7 +139,7 @@ def test_read_back_returns_the_device_result(spec):
     """PROBE sums the rows of a 4x8 matrix: for arange(32), row r sums to 64r + 28."""
     target = parse_target(spec)
     probe = load(compile_mlir(PROBE, target, log=lambda _: None), target.driver)
-    got = device.read_back(probe.probe(np.arange(32, dtype=np.float32).reshape(4, 8)))
+    got = read_back(probe.probe(np.arange(32, dtype=np.float32).reshape(4, 8)))
     assert got.dtype == np.float32 and got.tolist() == [28.0, 92.0, 156.0, 220.0]
 
 
@@ -259,13 +260,13 @@ def test_custom_ops_on_vulkan_match_independent_references(fla_naive):
     q, k, v, g, beta, S0 = inputs[:6]
     o_ref, S_ref = fla_naive.naive_recurrent_kda(q, k, v, g, beta, scale=1.0, initial_state=S0,
                                                  output_final_state=True)
-    np.testing.assert_allclose(device.read_back(o), o_ref.numpy(), rtol=0, atol=1e-4)
-    np.testing.assert_allclose(device.read_back(y), moe_reference(*inputs[6:]), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(read_back(o), o_ref.numpy(), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(read_back(y), moe_reference(*inputs[6:]), rtol=0, atol=1e-4)
     for step in range(3):
         token = op_inputs(1, 10 + step)
         o, S, y = ops.decode(*(t.numpy() for t in token[:5]), S, *(t.numpy() for t in token[6:]))
         o_ref, S_ref = fla_naive.naive_recurrent_kda(*token[:5], scale=1.0, initial_state=S_ref,
                                                      output_final_state=True)
-        np.testing.assert_allclose(device.read_back(o), o_ref.numpy(), rtol=0, atol=1e-4)
-        np.testing.assert_allclose(device.read_back(y), moe_reference(*token[6:]), rtol=0, atol=1e-4)
-    np.testing.assert_allclose(device.read_back(S), S_ref.numpy(), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(read_back(o), o_ref.numpy(), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(read_back(y), moe_reference(*token[6:]), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(read_back(S), S_ref.numpy(), rtol=0, atol=1e-4)

@@ -6,7 +6,7 @@
                         cuda:sm_90 compiles for sm_80, whose code Hopper runs, with a warning
     rocm[:gfxXXX]       AMD (driver hip); default gfx942
     vulkan[:profile]    SPIR-V (driver vulkan); no profile = the profile of the device present
-                        (runtimes/device.py); a module runs right only on a device of its profile
+                        (compiler/devices.py); a module runs right only on a device of its profile
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from functools import cache
 
 from ..errors import K3Error
-from . import device
+from . import devices
 
 ROCM_CHIPS = ("gfx90a", "gfx942", "gfx1100")
 CUDA_CHIPS = ("sm_80", "sm_86", "sm_89")
@@ -63,7 +63,7 @@ def parse_target(spec: str) -> Target:
             raise K3Error(f"target: unsupported ROCm chip {arch!r} (known: {', '.join(ROCM_CHIPS)})")
         return Target(f"rocm:{arch}", "rocm", "hip", ("--iree-hal-target-device=hip", f"--iree-rocm-target={arch}"))
     if kind == "vulkan":
-        arch = arch or device.detect_vulkan_profile()
+        arch = arch or devices.detect_vulkan_profile()
         if arch not in VULKAN_PROFILES:
             raise K3Error(f"target: unknown Vulkan profile {arch!r} (known: {', '.join(VULKAN_PROFILES)})")
         return Target(f"vulkan:{arch}", "vulkan-spirv", "vulkan",
@@ -110,7 +110,7 @@ def compiles_here(target: Target) -> bool:
 def runs_here(target: Target) -> bool:
     """Whether ``target``'s driver has a device here that its modules run on."""
     try:
-        device.check_device(target)
+        devices.check_device(target)
     except K3Error:
         return False
     return True
@@ -142,6 +142,6 @@ def target_statuses() -> list[TargetStatus]:
                               console=Console(stderr=True)))
     rows = []
     for t, ok in zip(targets, compiles):
-        found = device.devices(t.driver)
+        found = devices.devices(t.driver)
         rows.append(TargetStatus(t, ok, runs_here(t), found[0] if found else "-"))
     return rows

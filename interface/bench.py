@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from ..artifacts.build import build_bundle, compile_model, export_cached, stored_dtypes
+from .build import build_bundle, compile_model, export_cached, stored_dtypes
 from ..artifacts.bundle import Bundle, open_bundle
 from ..errors import K3Error
 from ..model import K3Config, K3Model
@@ -46,7 +46,7 @@ from ..model.model import K3State
 from ..passes.pipeline import Pipeline
 from . import bench_ops
 from .bench_report import SECTIONS
-from .targets import Target, parse_target
+from ..compiler.targets import Target, parse_target
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class TimedSession:
     def __init__(self, bundle: Bundle):
         import iree.runtime as rt
 
-        from .session import Session
+        from ..runtimes.session import Session
 
         self.session = Session(bundle)
         self.device, self._asdevice = self.session.config.device, rt.asdevicearray

@@ -22,8 +22,8 @@ from ..model import K3Config, K3Model
 from ..model.checkpoint import TORCH_DTYPES, load_checkpoint, open_checked
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
-from ..runtimes.targets import Target, compile_mlir
-from .bundle import Bundle, Manifest, atomic_dir, hash_dir, open_bundle, package_versions, seal
+from ..compiler.targets import Target, compile_mlir
+from ..artifacts.bundle import Bundle, Manifest, atomic_dir, hash_dir, open_bundle, package_versions, seal
 
 PROMPT_LEN = 24
 DECODE_STEPS = 8

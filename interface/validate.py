@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from ..artifacts.bundle import Bundle
-from .session import Session
-from .targets import TargetStatus, target_statuses
+from ..runtimes.session import Session
+from ..compiler.targets import TargetStatus, target_statuses
 
 # max abs logit error allowed per target kind; fp32 everywhere, GPUs reassociate reductions more
 TOLERANCE = {"llvm-cpu": 1e-4, "vulkan-spirv": 5e-4, "cuda": 5e-4, "rocm": 5e-4}
@@ -91,7 +91,7 @@ def as_dicts(results) -> list[dict]:
 def validate_targets(preset: str, work: Path, log=print) -> list[TargetStatus]:
     """``k3c targets --validate``: build a ``preset`` bundle under ``work`` for every known target
     that runs here and validate it; the others keep their probe results."""
-    from ..artifacts.build import build_bundle
+    from .build import build_bundle
 
     rows = target_statuses()
     for row in rows:

@@ -21,7 +21,7 @@ from iree.compiler import ir
 from iree.compiler.extras.fx_importer import FxImporter
 from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
-from ..artifacts.build import cache_dir, cache_key, source_hash
+from .build import cache_dir, cache_key, source_hash
 from ..artifacts.bundle import package_versions, write_atomic
 from ..model import kda, mxfp4, ops  # noqa: F401  (ops registers torch.ops.k3.*)
 from ..model.moe import glu_act
@@ -29,7 +29,7 @@ from ..passes import expert_loops
 from ..passes.pipeline import Pipeline, Rewrite
 from ..passes.rewrite import merge_functions
 from ..passes.trace import TensorType, trace_to_linalg
-from .targets import Target, compile_mlir
+from ..compiler.targets import Target, compile_mlir
 
 
 def kda_token_scan(sym: str, ins: list[TensorType], consts: list) -> list[str]:

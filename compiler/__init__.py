@@ -1,0 +1,1 @@
+"""iree-compile: the target table, its flags, and the devices this host has."""

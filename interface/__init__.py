@@ -1,0 +1,1 @@
+"""Orchestration the CLI delegates to: build a bundle, validate it, benchmark."""
