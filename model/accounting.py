@@ -38,7 +38,7 @@ def named_tensors(module: torch.nn.Module):
 
 
 def weights(name: str, t: torch.Tensor) -> int:
-    """Logical weights of a tensor: an MXFP4 ``weight_packed`` [out, in/2] holds out * in."""
+    """Logical weights of a tensor: an MXFP4 ``weight_packed`` [..., out, in/2] holds out * in."""
     if name.endswith("weight_packed"):
         return 2 * t.numel()
     return 0 if name.endswith("weight_scale") else t.numel()
@@ -90,9 +90,9 @@ def account(cfg: K3Config, context: int = 1_048_576) -> dict:
             nbytes[component(name, layer)] += n * stored_bytes(name, t)
 
     moe = [(layer.block_sparse_moe, n) for layer, n in layers if hasattr(layer, "block_sparse_moe")]
-    expert = list(named_tensors(moe[0][0].experts[0])) if moe else []
-    per_expert = sum(weights(name, t) for name, t in expert)
-    per_expert_bytes = sum(stored_bytes(name, t) for name, t in expert)
+    expert = list(named_tensors(moe[0][0].experts)) if moe else []  # stacked [E, ...]: one expert is t[0]
+    per_expert = sum(weights(name, t[0]) for name, t in expert)
+    per_expert_bytes = sum(stored_bytes(name, t[0]) for name, t in expert)
     active_experts = sum(n * cfg.num_experts_per_token for _, n in moe)
     total = sum(params.values())
     trunk = total - params["embedding"] - params["routed_experts"]
@@ -115,7 +115,7 @@ def account(cfg: K3Config, context: int = 1_048_576) -> dict:
         "context": context,
         "params_total": total,
         "params_by_component": dict(params),
-        "routed_experts": sum(len(m.experts) * n for m, n in moe),
+        "routed_experts": sum(m.cfg.num_experts * n for m, n in moe),
         "params_per_routed_expert": per_expert,
         "params_trunk": trunk,
         "params_active_per_token": active,

@@ -39,6 +39,7 @@ from . import mxfp4
 from .config import K3Config
 from .kimi_linear import k3_parts
 from .model import K3Model
+from .stacking import from_checkpoint, to_checkpoint
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -230,7 +231,7 @@ def open_checked(directory: str | Path) -> tuple[K3Model, Checkpoint]:
     ckpt = open_checkpoint(directory, cfg)
     with torch.device("meta"):
         model = K3Model(cfg)
-    check_entries(ckpt, model.state_dict())
+    check_entries(ckpt, to_checkpoint(model.state_dict()))
     return model, ckpt
 
 
@@ -256,9 +257,9 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32) -
     f32), MXFP4 tensors as stored. Built on the meta device and filled tensor by tensor."""
     model, ckpt = open_checked(directory)
     loaded = {}
-    for name, t in read_entries(ckpt, sorted(model.state_dict()), "loading"):
+    for name, t in read_entries(ckpt, sorted(ckpt.entries), "loading"):
         if t.dtype != torch.uint8:
             t = t.to(torch.float32 if name.endswith(FP32_SUFFIXES) else dtype)
         loaded[name] = t.contiguous()
-    model.load_state_dict(loaded, assign=True)
+    model.load_state_dict(from_checkpoint(loaded), assign=True)
     return model.eval()

@@ -35,12 +35,13 @@ def init_weights(model: K3Model, seed: int = 0) -> K3Model:
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith("weight_scale"):
             continue  # written together with weight_packed
-        if name.endswith("weight_packed"):
-            out_dim, in_dim = t.shape[0], t.shape[1] * 2
+        if name.endswith("weight_packed"):  # stacked experts [E, out, in/2], one expert at a time
+            out_dim, in_dim = t.shape[1], t.shape[2] * 2
             std = in_dim ** -0.5 * (depth_scale if ".w2." in name else 1.0)
-            packed, scale = mxfp4.quantize(normal((out_dim, in_dim), std))
-            t.copy_(packed)
-            tensors[name.replace("weight_packed", "weight_scale")].copy_(scale)
+            for e in range(t.shape[0]):
+                packed, scale = mxfp4.quantize(normal((out_dim, in_dim), std))
+                t[e].copy_(packed)
+                tensors[name.replace("weight_packed", "weight_scale")][e].copy_(scale)
         elif name.endswith("embed_tokens.weight"):
             t.copy_(normal(t.shape, 1.0))
         elif name.endswith("_res_proj.weight"):

@@ -2,8 +2,9 @@
 
 K3: z = down(x) into the latent; y = RMSNorm(sum_i w_i e_i(z)); out = up(y) + shared(x).
 Kimi Linear (no latent): out = sum_i w_i e_i(x) + shared(x), SiLU-GLU experts.
-Routed experts are stored per expert as the checkpoint names them (``experts.{e}.w1/w2/w3``),
-either as MXFP4 (``weight_packed`` + ``weight_scale``) or as a float ``weight``.
+Routed experts are one stacked tensor per matrix and layer (``experts.w1/w2/w3`` [E, ...]), as
+MXFP4 (``weight_packed`` + ``weight_scale``) or a float ``weight``; checkpoints store them one per
+expert (``experts.{e}.w1``), mapped by model/stacking.py.
 """
 from __future__ import annotations
 
@@ -47,24 +48,28 @@ class GatedMLP(nn.Module):
         return self.down_proj(glu(self.cfg, self.gate_proj(x), self.up_proj(x)).to(x.dtype))
 
 
-class ExpertLinear(nn.Module):
-    """One expert matrix [out, in]: MXFP4 (packed u8 [out, in/2] + scale u8 [out, in/32]) or float."""
+class StackedLinear(nn.Module):
+    """One matrix [out, in] for each of E experts, stacked as one tensor (gpt-fast's layout): MXFP4
+    (``weight_packed`` u8 [E, out, in/2] + ``weight_scale`` u8 [E, out, in/32]) or float ``weight``
+    [E, out, in]. The checkpoint stores one tensor per expert; model/stacking.py maps the names."""
 
-    def __init__(self, out_dim: int, in_dim: int, mxfp4: bool):
+    def __init__(self, experts: int, out_dim: int, in_dim: int, mxfp4: bool):
         super().__init__()
         if mxfp4:
-            self.register_buffer("weight_packed", torch.zeros(out_dim, in_dim // 2, dtype=torch.uint8))
-            self.register_buffer("weight_scale", torch.full((out_dim, in_dim // 32), 127, dtype=torch.uint8))
+            self.register_buffer("weight_packed", torch.zeros(experts, out_dim, in_dim // 2, dtype=torch.uint8))
+            self.register_buffer("weight_scale", torch.full((experts, out_dim, in_dim // 32), 127, dtype=torch.uint8))
         else:
-            self.weight = nn.Parameter(torch.zeros(out_dim, in_dim))
+            self.weight = nn.Parameter(torch.zeros(experts, out_dim, in_dim))
 
 
-class Expert(nn.Module):
-    def __init__(self, dim: int, hidden: int, mxfp4: bool):
+class Experts(nn.Module):
+    """The routed experts of one MoE layer: w1 (gate), w3 (up) [E, hidden, dim], w2 (down) [E, dim, hidden]."""
+
+    def __init__(self, experts: int, dim: int, hidden: int, mxfp4: bool):
         super().__init__()
-        self.w1 = ExpertLinear(hidden, dim, mxfp4)   # gate
-        self.w3 = ExpertLinear(hidden, dim, mxfp4)   # up
-        self.w2 = ExpertLinear(dim, hidden, mxfp4)   # down
+        self.w1 = StackedLinear(experts, hidden, dim, mxfp4)
+        self.w3 = StackedLinear(experts, hidden, dim, mxfp4)
+        self.w2 = StackedLinear(experts, dim, hidden, mxfp4)
 
 
 def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -113,22 +118,18 @@ class MoE(nn.Module):
             self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
             self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps)
             self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
-        self.experts = nn.ModuleList(Expert(L, cfg.moe_intermediate_size, cfg.experts_mxfp4)
-                                     for _ in range(cfg.num_experts))
+        self.experts = Experts(cfg.num_experts, L, cfg.moe_intermediate_size, cfg.experts_mxfp4)
         if cfg.num_shared_experts:
             self.shared_experts = GatedMLP(cfg, D, cfg.moe_intermediate_size * cfg.num_shared_experts)
 
-    def stacked(self, name: str, field: str) -> torch.Tensor:
-        return torch.stack([getattr(getattr(e, name), field) for e in self.experts])
-
     def routed(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """sum_i w_i e_{idx_i}(z), fp32, z [N, L]."""
-        cfg = self.cfg
+        cfg, ex = self.cfg, self.experts
         if cfg.experts_mxfp4:
-            p = {n: (self.stacked(n, "weight_packed"), self.stacked(n, "weight_scale")) for n in ("w1", "w3", "w2")}
-            return torch.ops.k3.mxfp4_moe(upcast(z), idx, w, *p["w1"], *p["w3"], *p["w2"], cfg.hidden_act,
+            p = [t for n in ("w1", "w3", "w2") for t in (getattr(ex, n).weight_packed, getattr(ex, n).weight_scale)]
+            return torch.ops.k3.mxfp4_moe(upcast(z), idx, w, *p, cfg.hidden_act,
                                           cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-        return dense_expert_mix(cfg, z, idx, w, *(self.stacked(n, "weight") for n in ("w1", "w3", "w2")))
+        return dense_expert_mix(cfg, z, idx, w, ex.w1.weight, ex.w3.weight, ex.w2.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -186,8 +186,9 @@ def test_gpt_oss_layout_reads_as_the_k3_layout_and_back(ckpt, tmp_path):
     down = convert_moe_packed_tensors(stacked[f"{p}.down_proj_blocks"], stacked[f"{p}.down_proj_scales"],
                                       dtype=torch.float32)
     from k3c.model.mxfp4 import dequantize
-    for e, expert in enumerate(model.model.layers[layer].block_sparse_moe.experts):
-        w1, w3, w2 = (dequantize(w.weight_packed, w.weight_scale) for w in (expert.w1, expert.w3, expert.w2))
+    experts = model.model.layers[layer].block_sparse_moe.experts
+    for e in range(cfg.num_experts):
+        w1, w3, w2 = (dequantize(w.weight_packed[e], w.weight_scale[e]) for w in (experts.w1, experts.w3, experts.w2))
         assert torch.equal(w1.t(), gate_up[e][:, 0::2])
         assert torch.equal(w3.t(), gate_up[e][:, 1::2])
         assert torch.equal(w2.t(), down[e])

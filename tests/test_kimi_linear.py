@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
+from k3c.model.stacking import from_checkpoint
 from k3c.model import ConfigError, K3Config, K3Model
 from k3c.model.checkpoint import load_checkpoint
 from k3c.model.kimi_linear import to_k3
@@ -93,7 +94,7 @@ def test_transformers_module_names_load(hf_model, prompt):
     cfg = K3Config.from_dict(hf_model.config.to_dict())
     model = K3Model(cfg).eval()
     state = dict(kv for name, t in hf_model.state_dict().items() for kv in to_k3(name, t, cfg))
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(from_checkpoint(state), strict=True)
     with torch.no_grad():
         diff = (model(prompt) - hf_model(input_ids=prompt, use_cache=False).logits).abs().max().item()
     assert diff < TOLERANCE
