@@ -295,7 +295,8 @@ def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_l
     per step max abs/rel error, cosine, top-1/top-5 agreement; exit 1 on FAIL."""
     from rich.console import Console
     from rich.table import Table
-    from .artifacts.bundle import open_bundle, write_atomic
+    from .artifacts.bundle import open_bundle
+    from .utils.files import write_atomic
     from .runtimes.validate import TOLERANCE, as_dicts, first_divergent, validate as run_validation
     with spinner("validate: current step"):
         b = open_bundle(bundle) if bundle else _build(preset, checkpoint, seed, max_prompt, target, output)
@@ -383,7 +384,7 @@ def bench(quick, json_out, plot_out, only, work, threads, compile_layers):
     measurements interleaved in this run. Prints a Markdown table of the targets; exit 0 even on misses."""
     import dataclasses
     from .runtimes.bench import FULL, QUICK, run_bench
-    from .artifacts.bundle import write_atomic
+    from .utils.files import write_atomic
     from .runtimes.bench_report import markdown, plot, targets
     sizes = QUICK if quick else FULL
     if compile_layers:

@@ -23,7 +23,8 @@ from ..model.checkpoint import TORCH_DTYPES, load_checkpoint, open_checked
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
 from ..runtimes.targets import Target, compile_mlir
-from .bundle import Bundle, Manifest, atomic_dir, hash_dir, open_bundle, package_versions, seal
+from ..utils.files import atomic_dir, hash_dir
+from .bundle import Bundle, Manifest, open_bundle, package_versions, seal
 
 PROMPT_LEN = 24
 DECODE_STEPS = 8

@@ -22,7 +22,8 @@ from iree.compiler.extras.fx_importer import FxImporter
 from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
 from ..artifacts.build import cache_dir, cache_key, source_hash
-from ..artifacts.bundle import package_versions, write_atomic
+from ..artifacts.bundle import package_versions
+from ..utils.files import write_atomic
 from ..model import kda, mxfp4, ops  # noqa: F401  (ops registers torch.ops.k3.*)
 from ..model.moe import glu_act
 from ..passes import expert_loops
