@@ -159,6 +159,7 @@ def open_bundle(path: str | Path) -> Bundle:
     from ..model.config import K3Config
     config = K3Config.from_hf(bundle.checkpoint_dir)
     _check_config(bundle, config)
+    _check_checkpoint_hash(bundle)
     check_module(bundle, stored_dtypes(bundle.checkpoint_dir))
     return bundle
 
@@ -179,26 +180,34 @@ def _check_files(root: Path, manifest: Manifest) -> None:
 
 
 def _check_checkpoint(bundle: Bundle) -> None:
-    """An in-bundle checkpoint is exactly its listed files; an absolute one must look like a
-    checkpoint before it is hashed, and hash as it did at compile time."""
+    """An in-bundle checkpoint is a directory inside the bundle holding only listed files; an
+    absolute one must look like a checkpoint (a config.json) before anything in it is read."""
     root, manifest, ck = bundle.root, bundle.manifest, bundle.checkpoint_dir
-    if not Path(manifest.checkpoint).is_absolute():
-        if ".." in Path(manifest.checkpoint).parts or not inside(ck, root) or ck.resolve() == root.resolve():
-            raise K3Error(f"bundle: checkpoint {manifest.checkpoint!r} of {root} is not a directory inside the bundle")
-        if not ck.is_dir():
-            raise K3Error(f"bundle: checkpoint {ck} referenced by {root} is missing")
-        prefix = Path(manifest.checkpoint).as_posix().rstrip("/") + "/"
-        listed = {k[len(prefix):]: v for k, v in manifest.files.items() if k.startswith(prefix)}
-        stray = sorted(files_under(ck).keys() - listed.keys())
-        if stray:
-            raise K3Error(f"bundle: file {prefix}{stray[0]} in {root} is not listed in the manifest")
-        if digest_of(listed) != manifest.checkpoint_hash:
-            raise K3Error(f"bundle: checkpoint {ck} of {root} does not match its checkpoint_hash")
+    if Path(manifest.checkpoint).is_absolute():
+        if not ck.is_dir() or not (ck / "config.json").is_file():
+            raise K3Error(f"bundle: checkpoint {ck} referenced by {root} is missing or not a checkpoint (no config.json)")
         return
-    if not ck.is_dir() or not (ck / "config.json").is_file():
-        raise K3Error(f"bundle: checkpoint {ck} referenced by {root} is missing or not a checkpoint (no config.json)")
-    if hash_dir(ck) != manifest.checkpoint_hash:
-        raise K3Error(f"bundle: checkpoint {ck} changed since {root} was compiled")
+    if ".." in Path(manifest.checkpoint).parts or not inside(ck, root) or ck.resolve() == root.resolve():
+        raise K3Error(f"bundle: checkpoint {manifest.checkpoint!r} of {root} is not a directory inside the bundle")
+    if not ck.is_dir():
+        raise K3Error(f"bundle: checkpoint {ck} referenced by {root} is missing")
+    stray = sorted(files_under(ck).keys() - _listed_checkpoint_files(manifest).keys())
+    if stray:
+        raise K3Error(f"bundle: file {Path(manifest.checkpoint, stray[0]).as_posix()} in {root} is not listed in the manifest")
+
+
+def _listed_checkpoint_files(manifest: Manifest) -> dict[str, str]:
+    prefix = Path(manifest.checkpoint).as_posix().rstrip("/") + "/"
+    return {k[len(prefix):]: v for k, v in manifest.files.items() if k.startswith(prefix)}
+
+
+def _check_checkpoint_hash(bundle: Bundle) -> None:
+    """The checkpoint hashes as it did at compile time (an in-bundle one from its verified files)."""
+    m, ck = bundle.manifest, bundle.checkpoint_dir
+    absolute = Path(m.checkpoint).is_absolute()
+    if (hash_dir(ck) if absolute else digest_of(_listed_checkpoint_files(m))) != m.checkpoint_hash:
+        raise K3Error(f"bundle: checkpoint {ck} " + (f"changed since {bundle.root} was compiled" if absolute else
+                      f"of {bundle.root} does not match its checkpoint_hash"))
 
 
 def _first_difference(a, b, prefix: str = "") -> tuple[str, str, str]:

@@ -99,8 +99,7 @@ def matvec_as_matmul(model: onnx.ModelProto) -> None:
 
 
 def read_manifest(directory: Path) -> dict:
-    """The export directory's manifest, its fields typed, its checkpoint and files inside the
-    directory and the files matching their sha256."""
+    """The export directory's manifest, its fields typed, its checkpoint and files inside the directory."""
     path = directory / MANIFEST
     if not path.is_file():
         raise K3Error(f"onnx: {directory} has no {MANIFEST} (not a k3c ONNX export)")
@@ -116,10 +115,15 @@ def read_manifest(directory: Path) -> dict:
     for rel in (manifest["checkpoint"], *manifest["files"]):
         if Path(rel).is_absolute() or ".." in Path(rel).parts or not inside(directory / rel, directory):
             raise K3Error(f"onnx: {path} names {rel}, which is outside {directory}")
+    return manifest
+
+
+def check_files(directory: Path, manifest: dict) -> None:
+    """Each file the manifest lists matches its sha256 (after the models' own checks, whose
+    messages name a problem more precisely than a changed hash does)."""
     for rel, digest in manifest["files"].items():
         if not (directory / rel).is_file() or sha256_file(directory / rel) != digest:
             raise K3Error(f"onnx: {rel} in {directory} is missing or does not match its sha256 in {MANIFEST}")
-    return manifest
 
 
 def _import_function(model: onnx.ModelProto, module_op, cc, mc, parameters: dict[str, str]) -> None:
@@ -158,6 +162,7 @@ def import_onnx(directory: Path, log=print) -> ImportedModule:
             raise K3Error(f"onnx: {name}.onnx in {directory} holds graph {model.graph.name!r}, expected {name!r}")
         matvec_as_matmul(model)
         models[name] = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    check_files(directory, manifest)
     context = ir.Context()
     module = ir.Module.create(ir.Location.unknown(context))
     cc = onnx_importer.ContextCache(context)

@@ -120,6 +120,7 @@ def check_output(target: Path, *, force: bool, inputs=()) -> Path:
                           f"write the output elsewhere")
     if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise K3Error(f"output {target} exists and is not a directory; k3c does not replace it")
+    _probe_writable(target)
     recover(target)
     if target.is_dir() and any(target.iterdir()):
         if not written_by_k3c(target):
@@ -128,6 +129,16 @@ def check_output(target: Path, *, force: bool, inputs=()) -> Path:
         if not force:
             raise K3Error(f"output directory {target} exists (written by k3c); give --force to replace it")
     return target
+
+
+def _probe_writable(target: Path) -> None:
+    """Create and remove a directory where ``target``'s temporary directory will go, so that a
+    read-only or forbidden place fails before any work (K3Error)."""
+    place = target.resolve().parent
+    while not place.exists():
+        place = place.parent
+    with _writing(target):
+        os.rmdir(tempfile.mkdtemp(prefix=f".{target.name}.{_TAG}{os.getpid()}-", dir=place))
 
 
 @contextlib.contextmanager
@@ -173,19 +184,21 @@ def atomic_dir(target: Path, *, force: bool = True):
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result should look like any new directory
+    old = target.with_name(f".{target.name}.{_TAG}{os.getpid()}-old")
     try:
         with _writing(target, permission=False):  # the caller's own errors stay as they are
             yield tmp
             (tmp / MARKER).write_text(MARKER_TEXT)
             check_output(target, force=force)  # another writer may have come first
             if target.exists():
-                old = target.with_name(f".{target.name}.{_TAG}{os.getpid()}-old")
                 os.rename(target, old)
                 os.rename(tmp, target)
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(tmp, target)
     except BaseException:
+        if old.exists() and not os.path.lexists(target):
+            os.rename(old, target)  # interrupted between the two renames: put the old one back
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
