@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import hashlib
 import os
 import shutil
@@ -70,7 +71,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # alive, someone else's
     return True
 
 
@@ -78,7 +79,7 @@ def _leftovers(target: Path) -> list[tuple[Path, bool]]:
     """(path, is an old directory moved aside) of what writers of ``target`` that are no longer
     running left beside it."""
     out = []
-    for p in target.parent.glob(f".{target.name}.{_TAG}*"):
+    for p in target.parent.glob(f".{glob.escape(target.name)}.{_TAG}*"):
         pid, _, rest = p.name[len(target.name) + 2 + len(_TAG):].partition("-")
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             out.append((p, rest == "old"))
@@ -119,7 +120,7 @@ def check_output(target: Path, *, force: bool, inputs=()) -> Path:
             raise K3Error(f"output directory {target} and input {given} are the same or one holds the other; "
                           f"write the output elsewhere")
     if target.is_symlink() or (target.exists() and not target.is_dir()):
-        raise K3Error(f"output {target} exists and is not a directory; k3c does not replace it")
+        raise K3Error(f"output {target} exists and is a symbolic link or not a directory; k3c does not replace it")
     _probe_writable(target)
     recover(target)
     if target.is_dir() and any(target.iterdir()):
@@ -214,17 +215,20 @@ def verified_entry(entry: Path, names: tuple[str, ...], log=print) -> Path | Non
     None, after deleting a damaged entry (and saying so in one line) so that it is rebuilt."""
     if not os.path.lexists(entry):
         return None
-    listed: dict[str, str] = {}
     try:
-        for line in (entry / CONTENTS).read_text().splitlines():
-            digest, _, name = line.partition("  ")
-            listed[name] = digest
+        listed = {name: digest for digest, _, name in
+                  (line.partition("  ") for line in (entry / CONTENTS).read_text().splitlines())}
         actual = {name: sha256_file(f) for name, f in files_under(entry).items() if name not in (CONTENTS, MARKER)}
-        problem = next((n for n in names if n not in actual), None) and "a file is missing"
-        problem = problem or (actual != listed and "a file does not match its sha256")
     except (OSError, UnicodeDecodeError):
+        listed, actual = None, {}
+    if listed is None:
         problem = f"{CONTENTS} is missing or unreadable"
-    if not problem:
+    elif not set(names) <= actual.keys():
+        problem = f"{sorted(set(names) - actual.keys())[0]} is missing"
+    elif actual != listed:
+        problem = f"{next(n for n in sorted(actual.keys() | listed.keys()) if actual.get(n) != listed.get(n))} " \
+                  f"does not match its sha256"
+    else:
         return entry
     log(f"cache entry {entry} is damaged ({problem}); discarding it and rebuilding")
     if entry.is_dir() and not entry.is_symlink():
