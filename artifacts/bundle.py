@@ -61,14 +61,15 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, raw) -> "Manifest":
+    def from_raw(cls, raw) -> "Manifest":
         """K3Error naming the first field that is missing, unknown or of the wrong JSON type."""
         if not isinstance(raw, dict):
-            raise K3Error(f"is a JSON {type(raw).__name__}, not an object")
+            raise K3Error(f"it is a JSON {_json_type(raw)}, not an object")
         types = {f.name: {"dict": dict, "str": str, "int": int}[f.type] for f in fields(cls)}
         required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-        for name in sorted(required - raw.keys()):
-            raise K3Error(f"field {name!r} is missing")
+        missing = sorted(required - raw.keys())
+        if missing:
+            raise K3Error(f"field {missing[0]!r} is missing")
         for name, value in raw.items():
             want = types.get(name)
             if want is None:
@@ -150,7 +151,7 @@ def open_bundle(path: str | Path) -> Bundle:
     if isinstance(raw, dict) and raw.get("format", FORMAT) != FORMAT:
         raise K3Error(f"bundle: {root} has format {raw['format']}, this k3c reads format {FORMAT} (compile it again)")
     try:
-        manifest = Manifest.from_json(raw)
+        manifest = Manifest.from_raw(raw)
     except K3Error as e:
         raise K3Error(f"bundle: {mpath} is not a valid manifest: {e}") from None
     _check_files(root, manifest)
