@@ -157,18 +157,19 @@ def test_kill_between_the_two_renames_loses_nothing(bundle_copy, tmp_path):
 
 
 def _child_iree_compile(pid: int) -> int | None:
+    """The pid of ``pid``'s iree-compile child, from /proc/*/stat ("pid (comm) state ppid ...")."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            comm = stat.read_text().split("(", 1)[1].rsplit(")", 1)[0]
-        except (OSError, IndexError):
+            comm, rest = stat.read_text().split("(", 1)[1].rsplit(")", 1)
+        except (OSError, IndexError, ValueError):
             continue
-        if int(fields[1]) == pid and comm.startswith("iree-compile"):
+        if int(rest.split()[1]) == pid and comm.startswith("iree-compile"):
             return int(stat.parent.name)
     return None
 
 
 def _gone(pid: int, seconds: float = 20) -> bool:
+    """Whether ``pid`` exits (or is a zombie) within ``seconds``."""
     import time
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
