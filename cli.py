@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,20 +18,35 @@ from .interface.bench_report import SECTIONS as BENCH_SECTIONS
 
 
 class _Group(click.Group):
-    """Turns K3Error (and the OS errors of missing files) into ``error: ...`` and exit code 1."""
+    """Turns K3Error (and the OS errors of files k3c cannot read or write) into ``error: ...`` and
+    exit code 1. SIGTERM unwinds like Ctrl-C (exit 143), so temporary outputs are removed and an
+    iree-compile child is killed on the way out."""
 
     def invoke(self, ctx):
+        signal.signal(signal.SIGTERM, _terminated)
         try:
             return super().invoke(ctx)
-        except (K3Error, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        except K3Error as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
+        except OSError as e:
+            click.echo(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""), err=True)
+            sys.exit(1)
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 @click.group(cls=_Group)
 @click.version_option(package_name="k3c")
 def main():
     """k3c: compile Kimi K3 / Kimi Linear checkpoints with IREE, run them, validate against PyTorch."""
+
+
+FORCE = click.option("--force", is_flag=True,
+                     help="Replace the output directory if k3c wrote it before (a directory k3c did not "
+                          "write is never replaced).")
 
 
 def load_config(preset: str | None, config: str | None):
@@ -91,13 +107,16 @@ def physical_memory() -> int:
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--shard-size", default=None, callback=parse_size, help="Shard the weights, e.g. 2GB.")
 @click.argument("out_dir", type=click.Path(file_okay=False))
-def init_checkpoint(preset, seed, shard_size, out_dir):
+@FORCE
+def init_checkpoint(preset, seed, shard_size, out_dir, force):
     """Write a checkpoint of seeded random weights for a preset (same seed, same bytes)."""
     import torch
     from .model.convert import save_checkpoint
     from .model.init import init_weights
     from .model.model import K3Model
+    from .utils.files import MARKER, check_output
     cfg = load_config(preset, None)
+    check_output(out_dir, force=force)
     with torch.device("meta"):
         need = sum(t.numel() * t.element_size() for t in K3Model(cfg).state_dict().values())
     if need > physical_memory():
@@ -108,7 +127,7 @@ def init_checkpoint(preset, seed, shard_size, out_dir):
     click.echo(f"initialised {preset} with seed {seed} in {time.perf_counter() - start:.1f} s", err=True)
     start = time.perf_counter()
     save_checkpoint(model, out_dir, shard_size)
-    files = sorted(Path(out_dir).iterdir())
+    files = [f for f in sorted(Path(out_dir).iterdir()) if f.name != MARKER]
     click.echo(f"wrote {out_dir}: {len(files)} files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB "
                f"in {time.perf_counter() - start:.1f} s", err=True)
 
@@ -117,11 +136,14 @@ def init_checkpoint(preset, seed, shard_size, out_dir):
 @click.argument("in_dir", type=click.Path(exists=True, file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--show", default=20, show_default=True, help="Tensors listed, largest error first.")
-def quantize(in_dir, out_dir, show):
+@FORCE
+def quantize(in_dir, out_dir, show, force):
     """Convert a checkpoint's float routed experts to MXFP4; other tensors are kept byte for byte."""
     from rich.console import Console
     from rich.table import Table
     from .model.convert import quantize_checkpoint
+    from .utils.files import check_output
+    check_output(out_dir, force=force, inputs=(in_dir,))
     start = time.perf_counter()
     report = quantize_checkpoint(in_dir, out_dir)
     click.echo(f"quantised {len(report)} tensors into {out_dir} in {time.perf_counter() - start:.1f} s", err=True)
@@ -198,7 +220,8 @@ def one_source(preset, checkpoint):
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None, help="Output directory.")
 @click.option("--emit-mlir", type=click.Path(file_okay=False), default=None,
               help="Same as --format mlir -o DIR.")
-def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir):
+@FORCE
+def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir, force):
     """Export prefill/decode: to torch-dialect MLIR, running the passes (--format mlir), or to ONNX with
     the weights as external data in the checkpoint written beside the models (--format onnx)."""
     preset, checkpoint = one_source(preset, checkpoint)
@@ -207,6 +230,8 @@ def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir):
     out = output or emit_mlir
     if not out:
         raise K3Error("export: give the output directory with -o OUT_DIR")
+    from .utils.files import check_output
+    check_output(out, force=force, inputs=(checkpoint,))
     if fmt == "onnx":
         from .exporter.onnx_export import export_onnx
         export_onnx(Path(out), preset=preset, checkpoint=Path(checkpoint) if checkpoint else None, seed=seed,
@@ -235,14 +260,16 @@ def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir):
 @click.option("--onnx", "onnx_dir", type=click.Path(file_okay=False), default=None,
               help="Compile an ONNX export directory (k3c export --format onnx) instead of --preset/--checkpoint; "
                    "its weights and max prompt come with it.")
-def compile_cmd(preset, checkpoint, seed, max_prompt, target, output, onnx_dir):
-    """Compile a checkpoint or preset for a target; writes a bundle (manifest, module, checkpoint, reference.npz)."""
+@FORCE
+def compile_cmd(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, force):
+    """Compile a checkpoint or preset for a target; writes a bundle (manifest, module, checkpoint, reference.npz).
+    The default output out/<name>-<target> is replaced without --force; a directory given with -o needs it."""
     with spinner("compile: current step"):
-        bundle = _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir)
+        bundle = _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, force)
     click.echo(str(bundle.root))
 
 
-def _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir=None):
+def _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir=None, force=False):
     from .compiler.targets import parse_target
     if onnx_dir and (preset or checkpoint):
         raise K3Error("compile: --onnx brings its own weights; drop --preset/--checkpoint")
@@ -253,18 +280,22 @@ def _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir=None):
         log(f"warning: {tgt.note}")
     name = Path(onnx_dir).name if onnx_dir else preset or Path(checkpoint).name
     out = Path(output) if output else Path("out") / f"{name}-{tgt.name.replace(':', '-')}"
+    force = force or not output  # k3c's own default location
     if onnx_dir:
-        return build_bundle_from_onnx(out, tgt, Path(onnx_dir), log=log)
+        return build_bundle_from_onnx(out, tgt, Path(onnx_dir), force=force, log=log)
     return build_bundle(out, tgt, preset=preset, checkpoint=Path(checkpoint) if checkpoint else None,
-                        seed=seed, max_prompt=max_prompt, log=log)
+                        seed=seed, max_prompt=max_prompt, force=force, log=log)
 
 
 def parse_ids(ctx, param, value: str) -> list[int]:
-    """'1,2,3' -> [1, 2, 3]; anything but integers is a K3Error naming the first bad item."""
-    items = [x.strip() for x in value.split(",") if x.strip()]
-    bad = next((x for x in items if not re.fullmatch(r"[+-]?\d+", x)), None)
+    """'1,2,3' -> [1, 2, 3]; an empty item or anything but an integer that fits int64 is a K3Error
+    naming the first bad item."""
+    items = [x.strip() for x in value.split(",")]
+    bad = next((x for x in items if not re.fullmatch(r"[+-]?\d{1,19}", x) or not -2**63 <= int(x) < 2**63), None)
+    if bad == "":
+        raise K3Error(f"--prompt-ids: empty item in {value!r} (give e.g. 1,2,3)")
     if bad is not None:
-        raise K3Error(f"--prompt-ids: {bad!r} is not an integer token id (give e.g. 1,2,3)")
+        raise K3Error(f"--prompt-ids: {bad!r} is not a token id (an integer; give e.g. 1,2,3)")
     return [int(x) for x in items]
 
 
@@ -290,15 +321,17 @@ def run(bundle, prompt_ids, n_tokens):
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None, help="Where to write the bundle it builds.")
 @click.option("--per-layer", is_flag=True, help="Also compare the residual stream after every layer.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
-def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_layer, json_out):
+@FORCE
+def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_layer, json_out, force):
     """Compare a bundle (or one built now from --preset/--checkpoint) against its PyTorch reference:
     per step max abs/rel error, cosine, top-1/top-5 agreement; exit 1 on FAIL."""
     from rich.console import Console
     from rich.table import Table
-    from .artifacts.bundle import open_bundle, write_atomic
-    from .interface.validate import TOLERANCE, as_dicts, first_divergent, validate as run_validation
+    from .artifacts.bundle import open_bundle
+    from .utils.files import write_atomic
+    from .interface.validate import TOLERANCE, as_dicts, first_divergent, first_non_finite, validate as run_validation
     with spinner("validate: current step"):
-        b = open_bundle(bundle) if bundle else _build(preset, checkpoint, seed, max_prompt, target, output)
+        b = open_bundle(bundle) if bundle else _build(preset, checkpoint, seed, max_prompt, target, output, force=force)
         tol = TOLERANCE[b.manifest.target["backend"]]
         steps, layers = run_validation(b, per_layer)
     table = Table(title=f"{b.root.name}: {b.manifest.target['name']} vs PyTorch (tolerance {tol:g} max abs)")
@@ -308,6 +341,8 @@ def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_l
         table.add_row(s.step, f"{s.max_abs:.2e}", f"{s.max_rel:.2e}", f"{s.cosine:.8f}", f"{s.top1:.3f}",
                       f"{s.top5:.3f}", "PASS" if s.passed else "[red]FAIL[/red]")
     Console().print(table)
+    if non_finite := first_non_finite(steps):
+        click.echo(non_finite)
     if per_layer:
         lt = Table(title="residual stream after each layer (prefill)")
         for col in ("layer", "kind", "max abs", "max rel"):
@@ -383,7 +418,7 @@ def bench(quick, json_out, plot_out, only, work, threads, compile_layers):
     measurements interleaved in this run. Prints a Markdown table of the targets; exit 0 even on misses."""
     import dataclasses
     from .interface.bench import FULL, QUICK, run_bench
-    from .artifacts.bundle import write_atomic
+    from .utils.files import write_atomic
     from .interface.bench_report import markdown, plot, targets
     sizes = QUICK if quick else FULL
     if compile_layers:

@@ -7,33 +7,30 @@
     BUNDLE/reference.npz   PyTorch outputs for the validation prompt
 
 Bundles are written into a temporary sibling directory and renamed into place, so a reader never
-sees a half-written bundle.
+sees a half-written bundle. Opening one checks, before anything runs: every manifest field's type;
+every listed file (inside the bundle, module and reference among them) against its sha256; the
+checkpoint (inside the bundle and exactly its listed files, or an absolute path to a directory with
+a config.json whose hash matches); its config against the manifest's; and the manifest against the
+module itself, whose entry points carry the facts it was compiled for (``module_facts``: config,
+parameter dtypes, target, batch, max prompt) in their IREE reflection metadata, so an edited
+manifest or a module compiled for other weights is refused.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import shutil
-import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
 
 from ..errors import K3Error
+from ..utils.files import digest_of, files_under, hash_dir, inside, recover, sha256_file
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2          # 2: entry points carry module_facts
+MODULE, REFERENCE = "module.vmfb", "reference.npz"
+ENTRY_POINTS = ("prefill", "decode")
 PACKAGES = ("k3c", "torch", "torch-mlir", "iree-base-compiler", "iree-base-runtime")
-
-
-def sha256_file(path: Path, block: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def package_versions() -> dict[str, str]:
@@ -63,59 +60,59 @@ class Manifest:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
+    @classmethod
+    def from_raw(cls, raw) -> "Manifest":
+        """K3Error naming the first field that is missing, unknown or of the wrong JSON type."""
+        if not isinstance(raw, dict):
+            raise K3Error(f"it is a JSON {_json_type(raw)}, not an object")
+        types = {f.name: {"dict": dict, "str": str, "int": int}[f.type] for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        missing = sorted(required - raw.keys())
+        if missing:
+            raise K3Error(f"field {missing[0]!r} is missing")
+        for name, value in raw.items():
+            want = types.get(name)
+            if want is None:
+                raise K3Error(f"field {name!r} is not a manifest field")
+            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                raise K3Error(f"field {name!r} is a JSON {_json_type(value)}, expected {_json_type(want())}")
+        for key in ("name", "backend", "driver"):
+            if not isinstance(raw["target"].get(key), str):
+                raise K3Error(f"field 'target' has no string {key!r}")
+        flags = raw["target"].get("flags")
+        if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+            raise K3Error("field 'target' has no list of strings 'flags'")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.get("files", {}).items()):
+            raise K3Error("field 'files' must map file names to sha256 strings")
+        return cls(**raw)
 
-def hash_dir(path: Path) -> str:
-    """sha256 over the sorted (relative name, file sha256) pairs of a directory tree."""
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(f"{f.relative_to(path).as_posix()}\0{sha256_file(f)}\n".encode())
-    return h.hexdigest()
 
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.remove(tmp)
-        raise
-
-
-@contextlib.contextmanager
-def atomic_dir(target: Path):
-    """Yield a temporary directory beside ``target``; rename it to ``target`` on success, remove it
-    on any failure (including KeyboardInterrupt). An existing ``target`` is replaced."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result should look like any new directory
-    try:
-        yield tmp
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(target, old)
-            os.rename(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _json_type(value) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}[type(value)]
 
 
 def seal(root: Path, manifest: Manifest) -> None:
     """Record the sha256 of every file under ``root`` in the manifest and write it."""
-    manifest.files = {f.relative_to(root).as_posix(): sha256_file(f)
-                      for f in sorted(root.rglob("*")) if f.is_file() and f.name != MANIFEST}
+    manifest.files = {name: sha256_file(f) for name, f in files_under(root).items() if name != MANIFEST}
     (root / MANIFEST).write_text(manifest.to_json())
+
+
+def stored_dtypes(checkpoint: Path):
+    """Parameter name -> torch dtype as stored in the checkpoint (headers only)."""
+    from ..model.checkpoint import TORCH_DTYPES, open_checked
+
+    _, ckpt = open_checked(checkpoint)
+    return {name: TORCH_DTYPES[e.dtype] for name, e in ckpt.entries.items()}
+
+
+def module_facts(config_hash: str, dtypes: dict, target: dict, max_prompt: int, batch: int = 1) -> dict[str, str]:
+    """What a compiled module is valid for, as strings: stamped into its entry points' reflection
+    metadata at compile time (build.stamp) and compared with the manifest and checkpoint on open."""
+    dtype_text = json.dumps({k: str(v) for k, v in sorted(dtypes.items())})
+    return {"k3c.config": config_hash, "k3c.dtypes": hashlib.sha256(dtype_text.encode()).hexdigest()[:16],
+            "k3c.target": json.dumps(target, sort_keys=True), "k3c.batch": str(batch),
+            "k3c.max_prompt": str(max_prompt)}
 
 
 @dataclass
@@ -125,7 +122,7 @@ class Bundle:
 
     @property
     def module_path(self) -> Path:
-        return self.root / "module.vmfb"
+        return self.root / MODULE
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -134,12 +131,14 @@ class Bundle:
 
     @property
     def reference_path(self) -> Path:
-        return self.root / "reference.npz"
+        return self.root / REFERENCE
 
 
 def open_bundle(path: str | Path) -> Bundle:
-    """Read the manifest and verify every file's sha256; K3Error names the first file that differs."""
+    """Read the manifest and verify the bundle (module docstring); K3Error names the first problem."""
     root = Path(path)
+    if not root.is_dir():
+        recover(root)  # a writer killed between its two renames leaves the old bundle aside
     if not root.is_dir():
         raise K3Error(f"bundle: directory {root} does not exist")
     mpath = root / MANIFEST
@@ -147,25 +146,118 @@ def open_bundle(path: str | Path) -> Bundle:
         raise K3Error(f"bundle: {root} has no {MANIFEST} (not a k3c bundle)")
     try:
         raw = json.loads(mpath.read_text())
-        manifest = Manifest(**raw)
-    except (json.JSONDecodeError, TypeError) as e:
-        raise K3Error(f"bundle: {mpath} is not a valid manifest ({e})") from None
-    if manifest.format != FORMAT:
-        raise K3Error(f"bundle: {root} has format {manifest.format}, this k3c reads format {FORMAT}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise K3Error(f"bundle: {mpath} is not valid JSON ({e})") from None
+    if isinstance(raw, dict) and raw.get("format", FORMAT) != FORMAT:
+        raise K3Error(f"bundle: {root} has format {raw['format']}, this k3c reads format {FORMAT} (compile it again)")
+    try:
+        manifest = Manifest.from_raw(raw)
+    except K3Error as e:
+        raise K3Error(f"bundle: {mpath} is not a valid manifest: {e}") from None
+    _check_files(root, manifest)
+    bundle = Bundle(root, manifest)
+    _check_checkpoint(bundle)
+    from ..model.config import K3Config
+    config = K3Config.from_hf(bundle.checkpoint_dir)
+    _check_config(bundle, config)
+    _check_checkpoint_hash(bundle)
+    check_module(bundle, stored_dtypes(bundle.checkpoint_dir))
+    return bundle
+
+
+def _check_files(root: Path, manifest: Manifest) -> None:
+    """Every listed file inside the bundle and matching its sha256; the module and the reference listed."""
+    for required in (MODULE, REFERENCE):
+        if required not in manifest.files:
+            raise K3Error(f"bundle: the manifest of {root} does not list {required} (a bundle lists every file it holds)")
     for rel, digest in manifest.files.items():
         f = root / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not inside(f, root):
+            raise K3Error(f"bundle: the manifest of {root} lists {rel}, which is outside the bundle")
         if not f.is_file():
             raise K3Error(f"bundle: file {rel} listed in the manifest is missing from {root}")
         if sha256_file(f) != digest:
             raise K3Error(f"bundle: file {rel} in {root} does not match its sha256 in the manifest (tampered or corrupt)")
-    bundle = Bundle(root, manifest)
-    if not bundle.checkpoint_dir.is_dir():
-        raise K3Error(f"bundle: checkpoint {bundle.checkpoint_dir} referenced by {root} is missing")
-    if Path(manifest.checkpoint).is_absolute() and hash_dir(bundle.checkpoint_dir) != manifest.checkpoint_hash:
-        raise K3Error(f"bundle: checkpoint {bundle.checkpoint_dir} changed since {root} was compiled")
-    from ..model.config import K3Config
-    config = K3Config.from_hf(bundle.checkpoint_dir)
-    if config.hash != manifest.config_hash or config.to_dict() != manifest.config:
-        raise K3Error(f"bundle: {root} was compiled for config {manifest.config_hash}, but its checkpoint "
+
+
+def _check_checkpoint(bundle: Bundle) -> None:
+    """An in-bundle checkpoint is a directory inside the bundle holding only listed files; an
+    absolute one must look like a checkpoint (a config.json) before anything in it is read."""
+    root, manifest, ck = bundle.root, bundle.manifest, bundle.checkpoint_dir
+    if Path(manifest.checkpoint).is_absolute():
+        if not ck.is_dir() or not (ck / "config.json").is_file():
+            raise K3Error(f"bundle: checkpoint {ck} referenced by {root} is missing or not a checkpoint (no config.json)")
+        return
+    if ".." in Path(manifest.checkpoint).parts or not inside(ck, root) or ck.resolve() == root.resolve():
+        raise K3Error(f"bundle: checkpoint {manifest.checkpoint!r} of {root} is not a directory inside the bundle")
+    if not ck.is_dir():
+        raise K3Error(f"bundle: checkpoint {ck} referenced by {root} is missing")
+    stray = sorted(files_under(ck).keys() - _listed_checkpoint_files(manifest).keys())
+    if stray:
+        raise K3Error(f"bundle: file {Path(manifest.checkpoint, stray[0]).as_posix()} in {root} is not listed in the manifest")
+
+
+def _listed_checkpoint_files(manifest: Manifest) -> dict[str, str]:
+    prefix = Path(manifest.checkpoint).as_posix().rstrip("/") + "/"
+    return {k[len(prefix):]: v for k, v in manifest.files.items() if k.startswith(prefix)}
+
+
+def _check_checkpoint_hash(bundle: Bundle) -> None:
+    """The checkpoint hashes as it did at compile time (an in-bundle one from its verified files)."""
+    m, ck = bundle.manifest, bundle.checkpoint_dir
+    absolute = Path(m.checkpoint).is_absolute()
+    if (hash_dir(ck) if absolute else digest_of(_listed_checkpoint_files(m))) != m.checkpoint_hash:
+        raise K3Error(f"bundle: checkpoint {ck} " + (f"changed since {bundle.root} was compiled" if absolute else
+                      f"of {bundle.root} does not match its checkpoint_hash"))
+
+
+def _first_difference(a, b, prefix: str = "") -> tuple[str, str, str]:
+    """The first key (dotted) at which two JSON values differ, and both values as JSON."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        key = next(k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k))
+        return _first_difference(a.get(key), b.get(key), f"{prefix}{key}.")
+    return prefix.rstrip("."), json.dumps(a), json.dumps(b)
+
+
+def _check_config(bundle: Bundle, config) -> None:
+    m = bundle.manifest
+    if config.to_dict() == m.config and config.hash == m.config_hash:
+        return
+    if config.to_dict() == m.config:
+        raise K3Error(f"bundle: {bundle.root} was compiled for config {m.config_hash}, but its checkpoint "
                       f"{bundle.checkpoint_dir} has config {config.hash}")
-    return bundle
+    key, ours, theirs = _first_difference(m.config, config.to_dict())
+    if config.hash != m.config_hash:
+        raise K3Error(f"bundle: {bundle.root} was compiled for config {m.config_hash}, but its checkpoint "
+                      f"{bundle.checkpoint_dir} has config {config.hash} ({key}: {ours} vs {theirs})")
+    raise K3Error(f"bundle: {bundle.root} was compiled for config with {key} = {theirs}, but its {MANIFEST} "
+                  f"has config with {key} = {ours} (edited)")
+
+
+def check_module(bundle: Bundle, dtypes: dict) -> None:
+    """The facts stamped into the module's entry points equal what the manifest and checkpoint say."""
+    import iree.runtime as rt
+
+    m = bundle.manifest
+    want = module_facts(m.config_hash, dtypes, m.target, m.max_prompt, m.batch)
+    try:
+        module = rt.VmModule.copy_buffer(rt.VmInstance(), bundle.module_path.read_bytes())
+        found = {name: module.lookup_function(name) for name in ENTRY_POINTS}
+    except (RuntimeError, ValueError) as e:
+        raise K3Error(f"bundle: {bundle.module_path} is not an IREE module ({str(e).splitlines()[0][:200]})") from None
+    for name, fn in found.items():
+        if fn is None:
+            raise K3Error(f"bundle: {bundle.module_path} has no entry point {name!r}")
+        got = fn.reflection
+        for key, value in want.items():
+            if got.get(key) == value:
+                continue
+            if key == "k3c.dtypes":
+                raise K3Error(f"bundle: {bundle.module_path} was compiled for other parameter dtypes than its "
+                              f"checkpoint {bundle.checkpoint_dir} stores")
+            what, theirs, ours = key.removeprefix("k3c."), got.get(key, "(none)"), value
+            if key == "k3c.target" and key in got:
+                field_name, theirs, ours = _first_difference(json.loads(got[key]), json.loads(value))
+                what = f"target {field_name}"
+            raise K3Error(f"bundle: {bundle.module_path} was compiled for {what} {theirs}, its {MANIFEST} "
+                          f"says {ours} (edited manifest or another module)")

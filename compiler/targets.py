@@ -10,6 +10,11 @@
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
+import signal
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -71,16 +76,37 @@ def parse_target(spec: str) -> Target:
     raise K3Error(f"target: unknown target {spec!r} (use cpu, cpu:x86-64, cuda[:sm_XX], rocm[:gfxXXX], vulkan[:profile])")
 
 
+def _die_with(parent: int) -> None:
+    """In the iree-compile child, before exec: ask Linux to SIGKILL it when k3c (``parent``) dies,
+    however k3c dies (prctl(2) PR_SET_PDEATHSIG); if k3c is already gone, stop."""
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+
+
 def compile_mlir(mlir: str, target: Target, log=print) -> bytes:
-    """iree-compile a torch-dialect module (custom ops already lowered) for ``target``."""
-    import iree.compiler as ireec
+    """iree-compile a torch-dialect module (custom ops already lowered) for ``target``: the command
+    line iree.compiler.compile_str would run, run as a child that dies with k3c (SIGKILL included;
+    on SIGTERM or Ctrl-C subprocess.run kills it as the exception passes)."""
+    from iree.compiler.tools.core import CompilerOptions, build_compile_command_line
+    from iree.compiler.tools.debugging import TempFileSaver
 
     t0 = time.perf_counter()
-    try:
-        vmfb = ireec.compile_str(mlir, input_type="torch", extra_args=list(target.flags))
-    except ireec.CompilerToolError as e:
-        first = next((line for line in str(e).splitlines() if "error:" in line), str(e).splitlines()[0])
-        raise K3Error(f"compile: iree-compile failed for {target.name}: {first.strip()}") from None
+    with TempFileSaver.implicit() as tfs:
+        command = build_compile_command_line("-", tfs, CompilerOptions(input_type="torch",
+                                                                         extra_args=list(target.flags)))
+    done = subprocess.run(command, input=mlir.encode(), capture_output=True,
+                          preexec_fn=functools.partial(_die_with, os.getpid()))
+    if done.returncode != 0:
+        text = done.stderr.decode(errors="replace")
+        lines = text.splitlines() or [f"exit status {done.returncode}"]
+        first = next((line for line in lines if "error:" in line), lines[0])
+        raise K3Error(f"compile: iree-compile failed for {target.name}: {first.strip()[:300]}")
+    vmfb = done.stdout
     log(f"iree-compile for {target.name}: {len(vmfb) / 1e6:.2f} MB in {time.perf_counter() - t0:.1f}s")
     return vmfb
 

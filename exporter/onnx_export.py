@@ -29,7 +29,7 @@ import onnxscript
 import torch
 from onnxscript import optimizer
 
-from ..artifacts.bundle import atomic_dir, hash_dir, sha256_file
+from ..utils.files import atomic_dir, hash_dir, sha256_file
 from ..model import K3Config, K3Model
 from ..model.checkpoint import INDEX_FILE, SINGLE_FILE, load_checkpoint
 from ..model.convert import save_checkpoint

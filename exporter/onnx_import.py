@@ -26,6 +26,7 @@ from iree.compiler.extras import onnx_importer
 from iree.compiler.tools.import_onnx.importer_externalization_overrides import ELEM_TYPE_TO_SIGNLESS_IR_TYPE
 
 from ..errors import K3Error
+from ..utils.files import inside, sha256_file
 from .export import SCOPE
 from .onnx_export import MANIFEST
 from .onnx_ops import DOMAIN, DOMAIN_VERSION, ONNX_TO_K3, OPSET
@@ -63,6 +64,9 @@ def load_checked(path: Path) -> onnx.ModelProto:
     for tensor in model.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             location = next(e.value for e in tensor.external_data if e.key == "location")
+            if Path(location).is_absolute() or not inside(path.parent / location, path.parent):
+                raise K3Error(f"onnx: {path.name}: external data file {location} of initializer "
+                              f"{tensor.name!r} is outside {path.parent}")
             if not (path.parent / location).is_file():
                 raise K3Error(f"onnx: {path.name}: external data file {location} of initializer "
                               f"{tensor.name!r} is missing from {path.parent}")
@@ -96,13 +100,31 @@ def matvec_as_matmul(model: onnx.ModelProto) -> None:
 
 
 def read_manifest(directory: Path) -> dict:
+    """The export directory's manifest, its fields typed, its checkpoint and files inside the directory."""
     path = directory / MANIFEST
     if not path.is_file():
         raise K3Error(f"onnx: {directory} has no {MANIFEST} (not a k3c ONNX export)")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise K3Error(f"onnx: {path} is not valid JSON ({e})") from None
+    types = {"checkpoint": str, "checkpoint_hash": str, "config_hash": str, "max_prompt": int, "files": dict,
+             "entry_points": dict, "opset_imports": dict}
+    for key, want in types.items():
+        if not isinstance(manifest, dict) or not isinstance(manifest.get(key), want):
+            raise K3Error(f"onnx: {path}: field {key!r} is missing or not a JSON {want.__name__}")
+    for rel in (manifest["checkpoint"], *manifest["files"]):
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not inside(directory / rel, directory):
+            raise K3Error(f"onnx: {path} names {rel}, which is outside {directory}")
+    return manifest
+
+
+def check_files(directory: Path, manifest: dict) -> None:
+    """Each file the manifest lists matches its sha256 (after the models' own checks, whose
+    messages name a problem more precisely than a changed hash does)."""
+    for rel, digest in manifest["files"].items():
+        if not (directory / rel).is_file() or sha256_file(directory / rel) != digest:
+            raise K3Error(f"onnx: {rel} in {directory} is missing or does not match its sha256 in {MANIFEST}")
 
 
 def _import_function(model: onnx.ModelProto, module_op, cc, mc, parameters: dict[str, str]) -> None:
@@ -141,6 +163,7 @@ def import_onnx(directory: Path, log=print) -> ImportedModule:
             raise K3Error(f"onnx: {name}.onnx in {directory} holds graph {model.graph.name!r}, expected {name!r}")
         matvec_as_matmul(model)
         models[name] = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    check_files(directory, manifest)
     context = ir.Context()
     module = ir.Module.create(ir.Location.unknown(context))
     cc = onnx_importer.ContextCache(context)

@@ -5,7 +5,8 @@
   ``scf.for`` over tokens calling the traced one-token recurrence (``kda.kda_recurrent``).
 - MXFP4 MoE (spec §4-5): ``torch.k3.mxfp4_moe`` for one token, which the pipeline lowers to its
   decode form (a loop over the picked experts), and the same loop over the experts stored in bf16.
-Compiled modules are cached by the hash of their MLIR text, target and package versions.
+Compiled modules are cached (verified entries, utils/files.py) by what decides them: shapes, k3c sources,
+target and package versions.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from iree.compiler.extras.fx_importer import FxImporter
 from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
 from .build import cache_dir, cache_key, source_hash
-from ..artifacts.bundle import package_versions, write_atomic
+from ..artifacts.bundle import package_versions
+from ..utils.files import atomic_dir, seal_entry, verified_entry
 from ..model import kda, mxfp4, ops  # noqa: F401  (ops registers torch.ops.k3.*)
 from ..model.moe import glu_act
 from ..passes import expert_loops
@@ -121,12 +123,14 @@ def compile_cached(name: str, spec: dict, make_mlir, target: Target, log=print) 
     key = cache_key(name=name, spec=spec, source=source_hash(),
                     bench_ops=hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
                     target=target.to_dict(), versions=package_versions())
-    path = cache_dir() / "ops" / f"{name}-{key}.vmfb"
-    if path.is_file():
+    entry = cache_dir() / "ops" / f"{name}-{key}"
+    if verified_entry(entry, ("module.vmfb",), log):
         log(f"{name}: compiled module found in cache")
-        return path.read_bytes()
+        return (entry / "module.vmfb").read_bytes()
     vmfb = compile_mlir(make_mlir(), target, log=log)
-    write_atomic(path, vmfb)
+    with atomic_dir(entry) as tmp:
+        (tmp / "module.vmfb").write_bytes(vmfb)
+        seal_entry(tmp)
     return vmfb
 
 

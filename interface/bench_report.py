@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from ..artifacts.bundle import write_atomic
+from ..utils.files import write_atomic
 
 # the sections of ``k3c bench``, in the order they run and are reported (runtimes/bench.py)
 SECTIONS = ("decode", "prefill", "kda", "moe", "hybrid", "compile")

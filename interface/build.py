@@ -19,11 +19,12 @@ import torch
 
 from ..errors import K3Error
 from ..model import K3Config, K3Model
-from ..model.checkpoint import TORCH_DTYPES, load_checkpoint, open_checked
+from ..model.checkpoint import load_checkpoint
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
 from ..compiler.targets import Target, compile_mlir
-from ..artifacts.bundle import Bundle, Manifest, atomic_dir, hash_dir, open_bundle, package_versions, seal
+from ..utils.files import atomic_dir, check_output, hash_dir, seal_entry, verified_entry
+from ..artifacts.bundle import ENTRY_POINTS, Bundle, Manifest, module_facts, open_bundle, package_versions, seal, stored_dtypes
 
 PROMPT_LEN = 24
 DECODE_STEPS = 8
@@ -52,11 +53,6 @@ def source_hash(dirs: tuple[str, ...] = COMPILE_SOURCES) -> str:
     return h.hexdigest()
 
 
-def stored_dtypes(checkpoint: Path) -> dict[str, torch.dtype]:
-    _, ckpt = open_checked(checkpoint)
-    return {name: TORCH_DTYPES[e.dtype] for name, e in ckpt.entries.items()}
-
-
 def lower_model(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt: int, batch: int = 1,
                 emit_mlir: Path | None = None, log=print):
     """Export ``model`` (or take the export from the cache) and run the default passes; with
@@ -64,12 +60,12 @@ def lower_model(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt: i
     from ..passes.pipeline import Pipeline
 
     module, _ = export_cached(model, dtypes, max_prompt=max_prompt, batch=batch, log=log)
-    if emit_mlir is not None:
-        emit_mlir.mkdir(parents=True, exist_ok=True)
-        (emit_mlir / "torch.mlir").write_text(str(module))
+    before = str(module) if emit_mlir is not None else ""
     Pipeline().run(module, log=log)
     if emit_mlir is not None:
-        (emit_mlir / "lowered.mlir").write_text(str(module))
+        with atomic_dir(emit_mlir) as tmp:
+            (tmp / "torch.mlir").write_text(before)
+            (tmp / "lowered.mlir").write_text(str(module))
         log(f"wrote {emit_mlir / 'torch.mlir'} (before passes) and {emit_mlir / 'lowered.mlir'} (after)")
     return module
 
@@ -89,7 +85,7 @@ def export_cached(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt:
     cached = cache_dir() / "export" / cache_key(
         config=model.cfg.hash, dtypes={k: str(v) for k, v in sorted(dtypes.items())}, max_prompt=max_prompt,
         batch=batch, source=source_hash(EXPORT_SOURCES), versions=package_versions())
-    if (cached / "torch.mlir").is_file():
+    if verified_entry(cached, ("torch.mlir", "entry_points.json"), log):
         log(f"exported module found in cache ({cached})")
         module = ir.Module.parse((cached / "torch.mlir").read_text(), context=ir.Context())
         return module, json.loads((cached / "entry_points.json").read_text())
@@ -97,6 +93,7 @@ def export_cached(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt:
     with atomic_dir(cached) as tmp:
         (tmp / "torch.mlir").write_text(exported.text)
         (tmp / "entry_points.json").write_text(json.dumps(exported.entry_points))
+        seal_entry(tmp)
     return exported.module, exported.entry_points
 
 
@@ -110,16 +107,30 @@ def compile_model(model: K3Model, dtypes: dict[str, torch.dtype], target: Target
                     target=target.to_dict(), max_prompt=max_prompt, batch=batch, source=source_hash(),
                     versions=package_versions())
     cached = cache_dir() / key
-    if (cached / "module.vmfb").is_file():
+    if verified_entry(cached, ("module.vmfb", "entry_points.json"), log):
         log(f"compiled module found in cache ({cached})")
         return Compiled((cached / "module.vmfb").read_bytes(), json.loads((cached / "entry_points.json").read_text()), key)
     module, entry_points = export_cached(model, dtypes, max_prompt=max_prompt, batch=batch, log=log)
     Pipeline.for_target(target).run(module, log=log)
+    stamp(module, module_facts(model.cfg.hash, dtypes, target.to_dict(), max_prompt, batch))
     vmfb = compile_mlir(str(module), target, log=log)
     with atomic_dir(cached) as tmp:
         (tmp / "module.vmfb").write_bytes(vmfb)
         (tmp / "entry_points.json").write_text(json.dumps(entry_points))
+        seal_entry(tmp)
     return Compiled(vmfb, entry_points, key)
+
+
+def stamp(module, facts: dict[str, str]) -> None:
+    """Put ``facts`` (bundle.module_facts) into the reflection metadata of the module's entry points,
+    where iree-compile keeps them and the verifier of a bundle reads them back (bundle.check_module)."""
+    from iree.compiler import ir
+
+    with module.context:
+        attr = ir.DictAttr.get({k: ir.StringAttr.get(v) for k, v in facts.items()})
+        for op in module.body.operations:
+            if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value in ENTRY_POINTS:
+                op.attributes["iree.reflection"] = attr
 
 
 def reference_outputs(model: K3Model, prompt: np.ndarray, n_decode: int) -> dict[str, np.ndarray]:
@@ -143,15 +154,16 @@ def validation_prompt(cfg: K3Config, length: int = PROMPT_LEN, seed: int = 0) ->
 
 
 def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkpoint: Path | None = None,
-                 seed: int = 0, max_prompt: int = 128, log=print) -> Bundle:
+                 seed: int = 0, max_prompt: int = 128, force: bool = True, log=print) -> Bundle:
     """Write a sealed bundle at ``out``. With ``preset``, a random checkpoint (``seed``) is created
     inside the bundle; with ``checkpoint``, the bundle refers to it by absolute path and hash (Kimi
-    Linear checkpoints, whose names differ from the module's parameters, are converted into it)."""
+    Linear checkpoints, whose names differ from the module's parameters, are converted into it).
+    ``out`` follows utils.files.check_output (``force``: replace a bundle written before)."""
     if (preset is None) == (checkpoint is None):
         raise K3Error("compile: give exactly one of --preset and --checkpoint")
-    out = Path(out)
+    out = check_output(out, force=force, inputs=(checkpoint,))
     t_start = time.perf_counter()
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, force=force) as tmp:
         if preset is not None:
             cfg = K3Config.preset(preset)
             t0 = time.perf_counter()
@@ -193,24 +205,26 @@ def _seal_bundle(tmp: Path, model: K3Model, ck_dir: Path, ck_ref: str, vmfb: byt
     seal(tmp, manifest)
 
 
-def build_bundle_from_onnx(out: Path, target: Target, onnx_dir: Path, log=print) -> Bundle:
+def build_bundle_from_onnx(out: Path, target: Target, onnx_dir: Path, force: bool = True, log=print) -> Bundle:
     """A sealed bundle from an ONNX export directory (exporter/onnx_export.py): its models imported
     (exporter/onnx_import.py) and lowered by the same passes as the torch front end, its checkpoint
     carried into the bundle, reference.npz from the PyTorch model on that checkpoint."""
     from ..exporter.onnx_import import import_onnx
     from ..passes.pipeline import Pipeline
 
-    out, onnx_dir = Path(out), Path(onnx_dir)
+    out, onnx_dir = check_output(out, force=force, inputs=(onnx_dir,)), Path(onnx_dir)
     t_start = time.perf_counter()
     imported = import_onnx(onnx_dir, log=log)
     source = imported.manifest
     ck_src = onnx_dir / source["checkpoint"]
     if not ck_src.is_dir() or hash_dir(ck_src) != source["checkpoint_hash"]:
         raise K3Error(f"compile: checkpoint {ck_src} of {onnx_dir} is missing or changed since the export")
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, force=force) as tmp:
         shutil.copytree(ck_src, tmp / "checkpoint")
         model = load_checkpoint(tmp / "checkpoint", dtype=torch.float32)
         Pipeline.for_target(target).run(imported.module, log=log)
+        stamp(imported.module, module_facts(model.cfg.hash, stored_dtypes(tmp / "checkpoint"),
+                                            target.to_dict(), source["max_prompt"]))
         vmfb = compile_mlir(str(imported.module), target, log=log)
         entry_points = {**source["entry_points"],
                         "front_end": f"onnx {onnx_dir.resolve()} (opsets {source['opset_imports']})"}

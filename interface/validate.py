@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..artifacts.bundle import Bundle
+from ..errors import K3Error
 from ..runtimes.session import Session
 from ..compiler.targets import TargetStatus, target_statuses
 
@@ -28,6 +29,8 @@ class StepResult:
     top1: float           # fraction of positions whose argmax agrees
     top5: float           # mean overlap of the top-5 sets
     passed: bool
+    finite: bool = True   # every compiled logit is finite
+    non_finite_layer: int | None = None   # prefill: the first layer whose output holds NaN/Inf
 
 
 @dataclass
@@ -39,23 +42,63 @@ class LayerResult:
 
 
 def compare(step: str, got: np.ndarray, ref: np.ndarray, tol: float) -> StepResult:
+    """A position whose compiled logits hold NaN/Inf agrees on no token (argmax would pick the NaN)."""
     got, ref = np.atleast_2d(got).astype(np.float64), np.atleast_2d(ref).astype(np.float64)
     err = np.abs(got - ref).max()
     cos = float((got * ref).sum() / (np.linalg.norm(got) * np.linalg.norm(ref) + 1e-30))
-    top1 = float((got.argmax(-1) == ref.argmax(-1)).mean())
+    rows = np.isfinite(got).all(-1)
+    top1 = float(((got.argmax(-1) == ref.argmax(-1)) & rows).mean())
     g5, r5 = np.argsort(-got, -1)[:, :5], np.argsort(-ref, -1)[:, :5]
-    top5 = float(np.mean([len(set(a) & set(b)) / 5 for a, b in zip(g5, r5)]))
-    finite = bool(np.isfinite(got).all())
+    top5 = float(np.mean([len(set(a) & set(b)) / 5 * ok for a, b, ok in zip(g5, r5, rows)]))
+    finite = bool(rows.all())
     return StepResult(step, float(err), float(err / np.abs(ref).max()), cos, top1, top5,
-                      finite and err <= tol and top1 == 1.0)
+                      finite and err <= tol and top1 == 1.0, finite)
+
+
+def first_non_finite(steps: list[StepResult]) -> str | None:
+    """Where the compiled outputs first hold NaN/Inf: the step, and for prefill the layer."""
+    bad = next((s for s in steps if not s.finite), None)
+    if bad is None:
+        return None
+    layer = "" if bad.non_finite_layer is None else f", first in the output of layer {bad.non_finite_layer}"
+    return f"non-finite logits: first at step {bad.step}{layer}"
+
+
+REFERENCE_ARRAYS = {"prompt_ids": (1, "iu"), "prefill_logits": (2, "f"), "decode_ids": (1, "iu"),
+                    "decode_logits": (2, "f")}
+
+
+def load_reference(bundle: Bundle) -> dict[str, np.ndarray]:
+    """reference.npz's arrays, each present, numeric (never pickled objects) and of its rank."""
+    path = bundle.reference_path
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            missing = sorted(REFERENCE_ARRAYS.keys() - set(npz.files))
+            if missing:
+                raise K3Error(f"validate: {path} has no array {missing[0]!r}")
+            ref = {key: npz[key] for key in REFERENCE_ARRAYS}
+    except (ValueError, OSError, EOFError) as e:
+        raise K3Error(f"validate: {path} is not a reference of numeric arrays ({str(e).splitlines()[0]})") from None
+    for key, (rank, kinds) in REFERENCE_ARRAYS.items():
+        if ref[key].ndim != rank or ref[key].dtype.kind not in kinds:
+            raise K3Error(f"validate: {path}: array {key!r} is {ref[key].dtype} of rank {ref[key].ndim}, "
+                          f"expected rank {rank} of kind {kinds!r}")
+    if len(ref["decode_logits"]) != len(ref["decode_ids"]) or len(ref["prefill_logits"]) != len(ref["prompt_ids"]):
+        raise K3Error(f"validate: {path}: the logits and ids arrays differ in length")
+    vocab = bundle.manifest.config["vocab_size"]
+    if {ref["prefill_logits"].shape[1], ref["decode_logits"].shape[1]} != {vocab}:
+        raise K3Error(f"validate: {path}: logits are not of the bundle's vocab_size {vocab}")
+    return ref
 
 
 def validate(bundle: Bundle, per_layer: bool = False) -> tuple[list[StepResult], list[LayerResult]]:
-    ref = np.load(bundle.reference_path)
+    ref = load_reference(bundle)
     tol = TOLERANCE[bundle.manifest.target["backend"]]
     session = Session(bundle)
     logits, hidden = session.prefill(ref["prompt_ids"])
     steps = [compare("prefill", logits, ref["prefill_logits"], tol)]
+    bad_layers = [i for i, h in enumerate(hidden) if not np.isfinite(h).all()]
+    steps[0].non_finite_layer = bad_layers[0] if bad_layers else None
     for i, token in enumerate(ref["decode_ids"]):
         steps.append(compare(f"decode {i}", session.decode(int(token)), ref["decode_logits"][i], tol))
     layers = layer_errors(bundle, ref["prompt_ids"], hidden) if per_layer else []

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from ..artifacts.bundle import atomic_dir
+from ..utils.files import atomic_dir
 from ..errors import K3Error
 from . import mxfp4
 from .checkpoint import (CONFIG_FILE, DTYPE_NAMES, FLOAT_DTYPES, INDEX_FILE, SINGLE_FILE, TORCH_DTYPES,

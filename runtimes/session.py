@@ -5,6 +5,7 @@ scope ``model``), so the module and the weights stay separate files.
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +31,17 @@ class Generation:
     @property
     def decode_tok_s(self) -> float:
         return len(self.decode_s) / sum(self.decode_s) if self.decode_s else float("nan")
+
+
+def iree_error_line(e: Exception, limit: int = 300) -> str:
+    """An IREE runtime error as one readable line: the status and its message, each target attribute
+    (``#hal.device.target<"cuda", [#hal.executable.target<..., "cuda-nvptx-fb", {...}>]>``, which
+    runs to kilobytes) as its backend and format."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    text = re.sub(r"^Error creating vm context with modules: (<vm>:0: )?", "", text)
+    text = re.sub(r'#hal\.device\.target<"([^"]+)", \[#hal\.executable\.target<"[^"]*", "([^"]+)".*?(?=; |$)',
+                  r"a module for \1 (\2)", text).rstrip("; ")
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class Session:
@@ -61,7 +73,7 @@ class Session:
             _, self.program = rt.load_vm_modules(params, module, config=self.config)
         except RuntimeError as e:
             raise K3Error(f"run: the module in {bundle.root} does not load with its parameters: "
-                          f"{str(e).splitlines()[0]}") from None
+                          f"{iree_error_line(e)}") from None
         self.state: tuple | None = None
         self.position = 0
 
