@@ -15,7 +15,7 @@ where they are loaded: one module serves every checkpoint of the same config. Th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
@@ -40,11 +40,8 @@ class ExportedModule:
     """The torch-dialect module and what its entry points take and return."""
     module: ir.Module
     entry_points: dict[str, str]          # name -> signature text for the manifest
-    parameters: dict[str, str]            # checkpoint tensor name -> stored dtype
     max_prompt: int
     batch: int
-    n_state: int
-    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -155,12 +152,10 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
     """Export prefill and decode of ``model`` (already in its compute dtype) into one module whose
     parameters are read at ``stored_dtypes`` (checkpoint tensor name -> dtype on disk)."""
     cfg = model.cfg
-    prefill, decode, flat, timings = trace_entry_points(model, batch=batch, max_prompt=max_prompt, log=log)
+    prefill, decode, flat, _ = trace_entry_points(model, batch=batch, max_prompt=max_prompt, log=log)
     with torch.no_grad():
-        t0 = time.perf_counter()
         table = get_decomposition_table()
         prefill, decode = prefill.run_decompositions(table), decode.run_decompositions(table)
-        timings["decompose_s"] = time.perf_counter() - t0
 
     hooks = _ParameterHooks(stored_dtypes, prefix="net.")
     context = ir.Context()
@@ -170,8 +165,7 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         importer.import_program(prefill, func_name="prefill")
         importer.import_program(decode, func_name="decode")
     importer.module.operation.verify()
-    timings["import_s"] = time.perf_counter() - t0
-    log(f"imported to torch-dialect MLIR in {timings['import_s']:.1f}s ({len(hooks.globals)} parameters)")
+    log(f"imported to torch-dialect MLIR in {time.perf_counter() - t0:.1f}s ({len(hooks.globals)} parameters)")
 
     shapes = ", ".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in flat)
     entry_points = {
@@ -180,4 +174,4 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         "decode": f"(token [{batch}, 1] int64, state...) -> (logits [{batch}, 1, {cfg.vocab_size}] f32, state...)",
         "state": shapes,
     }
-    return ExportedModule(importer.module, entry_points, hooks.globals, max_prompt, batch, len(flat), timings)
+    return ExportedModule(importer.module, entry_points, max_prompt, batch)
