@@ -14,7 +14,9 @@ where they are loaded: one module serves every checkpoint of the same config. Th
 """
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -147,6 +149,24 @@ def trace_entry_points(model: K3Model, *, batch: int = 1, max_prompt: int = 128,
     return prefill, decode, flat, timings
 
 
+# torch 2.13's ExportedProgram.run_decompositions deep-copies the module call graph; copying a pytree
+# LeafSpec goes through its deprecated constructor, which warns "`isinstance(treespec, LeafSpec)` is
+# deprecated" (a FutureWarning about torch's own code) once per leaf. Every run_decompositions of
+# k3c's (here, and torch-mlir's inside passes/trace.py) runs under this filter, which drops only it.
+@contextlib.contextmanager
+def leafspec_deprecation_silenced():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        yield
+
+
+def decompose(program: torch.export.ExportedProgram, table) -> torch.export.ExportedProgram:
+    """``program.run_decompositions(table)`` without torch's LeafSpec deprecation warnings."""
+    with leafspec_deprecation_silenced():
+        return program.run_decompositions(table)
+
+
 def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch: int = 1,
                  max_prompt: int = 128, log=print) -> ExportedModule:
     """Export prefill and decode of ``model`` (already in its compute dtype) into one module whose
@@ -155,7 +175,7 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
     prefill, decode, flat, _ = trace_entry_points(model, batch=batch, max_prompt=max_prompt, log=log)
     with torch.no_grad():
         table = get_decomposition_table()
-        prefill, decode = prefill.run_decompositions(table), decode.run_decompositions(table)
+        prefill, decode = decompose(prefill, table), decompose(decode, table)
 
     hooks = _ParameterHooks(stored_dtypes, prefix="net.")
     context = ir.Context()
