@@ -14,7 +14,7 @@ DOCS = ROOT / "docs"
 CITATION = re.compile(r"docs/([\w-]+\.md)(?: §(\d+(?:\.\d+)?)(?:\s*[-–]\s*(\d+))?)?")
 SPEC = re.compile(r"spec §", re.IGNORECASE)
 HEADING = re.compile(r"^#+ §(\d+(?:\.\d+)?)\.? ", re.MULTILINE)
-LINK = re.compile(r"\]\(([\w-]+\.md)(?:#([\w.-]+))?\)")
+LINK = re.compile(r"\]\(((?:docs/)?[\w-]+\.md)(?:#([\w.-]+))?\)")
 ANCHOR = re.compile(r'<a id="([\w.-]+)"></a>')
 
 
@@ -73,7 +73,7 @@ def test_links_between_docs_land_on_anchors():
     bad = []
     for source in [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]:
         for doc, anchor in LINK.findall(source.read_text()):
-            target = DOCS / doc if source.parent == DOCS else ROOT / doc
+            target = source.parent / doc
             if not target.is_file():
                 bad.append(f"{source.name}: ({doc}) does not exist")
             elif anchor and anchor not in ANCHOR.findall(target.read_text()):
