@@ -152,7 +152,8 @@ def trace_entry_points(model: K3Model, *, batch: int = 1, max_prompt: int = 128,
 # torch 2.13's ExportedProgram.run_decompositions deep-copies the module call graph; copying a pytree
 # LeafSpec goes through its deprecated constructor, which warns "`isinstance(treespec, LeafSpec)` is
 # deprecated" (a FutureWarning about torch's own code) once per leaf. Every run_decompositions of
-# k3c's (here, and torch-mlir's inside passes/trace.py) runs under this filter, which drops only it.
+# k3c's (here, torch.onnx.export's in onnx_export.py, torch-mlir's in passes/trace.py) runs under
+# this filter, which drops only that warning.
 @contextlib.contextmanager
 def leafspec_deprecation_silenced():
     with warnings.catch_warnings():

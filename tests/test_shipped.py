@@ -226,8 +226,9 @@ assert "linalg" in trace_to_linalg(Net(), [TensorType((None, 3), "f32")], "f")
 
 
 @pytest.mark.slow
-def test_export_prints_no_warning(tmp_path):
-    r = k3c("export", "--preset", "k3-tiny", "--emit-mlir", tmp_path, cache_dir=tmp_path / "cache")
+@pytest.mark.parametrize("how, written", [(("--emit-mlir",), "lowered.mlir"), (("--format", "onnx", "-o"), "decode.onnx")])
+def test_export_prints_no_warning(how, written, tmp_path):
+    r = k3c("export", "--preset", "k3-tiny", *how, tmp_path / "out", cache_dir=tmp_path / "cache")
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "lowered.mlir").is_file()
+    assert (tmp_path / "out" / written).is_file()
     assert warning_lines(r.stderr) == []
