@@ -14,8 +14,10 @@ where they are loaded: one module serves every checkpoint of the same config. Th
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
@@ -40,11 +42,8 @@ class ExportedModule:
     """The torch-dialect module and what its entry points take and return."""
     module: ir.Module
     entry_points: dict[str, str]          # name -> signature text for the manifest
-    parameters: dict[str, str]            # checkpoint tensor name -> stored dtype
     max_prompt: int
     batch: int
-    n_state: int
-    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -150,17 +149,34 @@ def trace_entry_points(model: K3Model, *, batch: int = 1, max_prompt: int = 128,
     return prefill, decode, flat, timings
 
 
+# torch 2.13's ExportedProgram.run_decompositions deep-copies the module call graph; copying a pytree
+# LeafSpec goes through its deprecated constructor, which warns "`isinstance(treespec, LeafSpec)` is
+# deprecated" (a FutureWarning about torch's own code) once per leaf. Every run_decompositions of
+# k3c's (here, torch.onnx.export's in onnx_export.py, torch-mlir's in passes/trace.py) runs under
+# this filter, which drops only that warning.
+@contextlib.contextmanager
+def leafspec_deprecation_silenced():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        yield
+
+
+def decompose(program: torch.export.ExportedProgram, table) -> torch.export.ExportedProgram:
+    """``program.run_decompositions(table)`` without torch's LeafSpec deprecation warnings."""
+    with leafspec_deprecation_silenced():
+        return program.run_decompositions(table)
+
+
 def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch: int = 1,
                  max_prompt: int = 128, log=print) -> ExportedModule:
     """Export prefill and decode of ``model`` (already in its compute dtype) into one module whose
     parameters are read at ``stored_dtypes`` (checkpoint tensor name -> dtype on disk)."""
     cfg = model.cfg
-    prefill, decode, flat, timings = trace_entry_points(model, batch=batch, max_prompt=max_prompt, log=log)
+    prefill, decode, flat, _ = trace_entry_points(model, batch=batch, max_prompt=max_prompt, log=log)
     with torch.no_grad():
-        t0 = time.perf_counter()
         table = get_decomposition_table()
-        prefill, decode = prefill.run_decompositions(table), decode.run_decompositions(table)
-        timings["decompose_s"] = time.perf_counter() - t0
+        prefill, decode = decompose(prefill, table), decompose(decode, table)
 
     hooks = _ParameterHooks(stored_dtypes, prefix="net.")
     context = ir.Context()
@@ -170,8 +186,7 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         importer.import_program(prefill, func_name="prefill")
         importer.import_program(decode, func_name="decode")
     importer.module.operation.verify()
-    timings["import_s"] = time.perf_counter() - t0
-    log(f"imported to torch-dialect MLIR in {timings['import_s']:.1f}s ({len(hooks.globals)} parameters)")
+    log(f"imported to torch-dialect MLIR in {time.perf_counter() - t0:.1f}s ({len(hooks.globals)} parameters)")
 
     shapes = ", ".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in flat)
     entry_points = {
@@ -180,4 +195,4 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         "decode": f"(token [{batch}, 1] int64, state...) -> (logits [{batch}, 1, {cfg.vocab_size}] f32, state...)",
         "state": shapes,
     }
-    return ExportedModule(importer.module, entry_points, hooks.globals, max_prompt, batch, len(flat), timings)
+    return ExportedModule(importer.module, entry_points, max_prompt, batch)

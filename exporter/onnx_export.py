@@ -34,7 +34,7 @@ from ..model import K3Config, K3Model
 from ..model.checkpoint import INDEX_FILE, SINGLE_FILE, load_checkpoint
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
-from .export import trace_entry_points
+from .export import leafspec_deprecation_silenced, trace_entry_points
 from .onnx_ops import DOMAIN, DOMAIN_VERSION, OPSET
 
 MANIFEST = "k3c-onnx.json"
@@ -127,8 +127,9 @@ def to_onnx(program: torch.export.ExportedProgram, name: str, inputs: list[str],
     """One entry point as an ONNX model: the graph named ``name``, inputs and outputs renamed, weight
     initializers pointing into the checkpoint, constants folded (never through a weight) and lifted
     to initializers."""
-    onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=TRANSLATIONS,
-                                     opset_version=OPSET, optimize=False, verbose=False)
+    with leafspec_deprecation_silenced():  # torch.onnx runs the decompositions too
+        onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=TRANSLATIONS,
+                                         opset_version=OPSET, optimize=False, verbose=False)
     model = onnx_program.model
     graph = model.graph
     graph.name = name

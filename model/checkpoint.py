@@ -2,8 +2,8 @@
 
 A directory holds ``config.json`` and either ``model.safetensors`` or shards
 ``model-0000i-of-0000N.safetensors`` listed by ``model.safetensors.index.json``. Tensors carry
-K3Model's state_dict names (``to_model_name`` is the one place names are mapped). Trunk tensors may
-be bf16, f16 or f32 (convert.py writes bf16, and f32 where spec §1 and §4 say so: short-conv
+K3Model's state_dict names (Kimi Linear checkpoints map through ``kimi_linear.k3_parts``). Trunk
+tensors may be bf16, f16 or f32 (convert.py writes bf16, and f32 where spec §1 and §4 say so: short-conv
 weights, ``dt_bias``, ``A_log``, ``o_norm``, ``e_score_correction_bias``). Routed experts are
 MXFP4, ``experts.{e}.w{1,3,2}.weight_packed`` u8 [out, in/2] + ``.weight_scale`` u8 [out, in/32]
 (w1 gate, w3 up, w2 down), or a float ``.weight`` when the config has no ``quantization_config``.
@@ -56,17 +56,6 @@ GPT_OSS = re.compile(r"(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)
 def progress(items: Iterable, what: str) -> Iterable:
     """A rich progress bar on stderr while iterating ``items``, shown only on a terminal."""
     return track(items, what, transient=True, console=PROGRESS, disable=not PROGRESS.is_terminal)
-
-
-def to_model_name(name: str) -> str:
-    """Checkpoint tensor name -> K3Model state_dict name: the identity for K3, whose module names
-    are the checkpoint's. Kimi Linear checkpoints map through ``kimi_linear.k3_parts`` instead."""
-    return name
-
-
-def to_checkpoint_name(name: str) -> str:
-    """K3Model state_dict name -> checkpoint tensor name (inverse of ``to_model_name``)."""
-    return name
 
 
 def stored_dtype(name: str, t: torch.Tensor) -> torch.dtype:
@@ -191,7 +180,7 @@ def open_checkpoint(directory: str | Path, cfg: K3Config | None = None) -> Check
                 expanded = {k: Entry(path, key, dtype, s, part=part) for k, s, part in k3_parts(key, shape, cfg)}
             else:
                 expanded = gpt_oss_entries(path, key, dtype, shape) or {key: Entry(path, key, dtype, shape)}
-            entries.update({to_model_name(k): v for k, v in expanded.items()})
+            entries.update(expanded)
     return Checkpoint(directory, listing, stored, entries)
 
 

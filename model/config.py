@@ -126,10 +126,6 @@ class K3Config:
         return self.uses_attn_res and layer % self.attn_res_block_size == 0
 
     @property
-    def mla_qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
     def mla_cache_width(self) -> int:
         """Numbers per token per MLA layer in the latent cache: [c_n | k_pe]."""
         return self.kv_lora_rank + self.qk_rope_head_dim

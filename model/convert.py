@@ -22,7 +22,7 @@ from ..utils.files import atomic_dir
 from ..errors import K3Error
 from . import mxfp4
 from .checkpoint import (CONFIG_FILE, DTYPE_NAMES, FLOAT_DTYPES, INDEX_FILE, SINGLE_FILE, TORCH_DTYPES,
-                         check_scales, open_checked, progress, stored_dtype, to_checkpoint_name)
+                         check_scales, open_checked, progress, stored_dtype)
 from .config import K3Config
 from .model import K3Model
 from .stacking import to_checkpoint
@@ -86,7 +86,7 @@ def write_index(directory: Path, file_of: dict[str, str], total_bytes: int) -> N
 
 def save_checkpoint(model: K3Model, directory: str | Path, shard_bytes: int | None = None) -> Path:
     """Write ``config.json`` and the weights (module docstring), atomically and deterministically."""
-    state = {to_checkpoint_name(k): v.detach() for k, v in to_checkpoint(model.state_dict()).items()}
+    state = {k: v.detach() for k, v in to_checkpoint(model.state_dict()).items()}
     dtypes = {k: stored_dtype(k, t) for k, t in state.items()}
     header = {k: (DTYPE_NAMES[dtypes[k]], tuple(t.shape)) for k, t in state.items()}
     file_of = shard_names({k: dtypes[k].itemsize * t.numel() for k, t in state.items()}, shard_bytes)

@@ -124,9 +124,3 @@ module {{
 }}"""
     return [body, wrapper]
 
-
-GENERATORS = {
-    "torch.k3.kda_chunk": kda_chunk,
-    "torch.k3.kda_step": kda_step,
-    "torch.k3.mxfp4_moe": mxfp4_moe,
-}

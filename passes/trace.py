@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch.export import Dim
 
+from ..exporter.export import leafspec_deprecation_silenced
+
 _ELEMENT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64,
             "i64": torch.int64, "i32": torch.int32, "i8": torch.uint8, "i1": torch.bool}
 _VTENSOR_ELEMENT = {"f32": "f32", "f16": "f16", "bf16": "bf16", "f64": "f64",
@@ -65,6 +67,7 @@ def trace_to_linalg(fn, types: list[TensorType], func_name: str, *, int_high: in
         spec.append({i: dims.setdefault(i, Dim(f"d{i}", min=2, max=dynamic_max))
                      for i, d in enumerate(t.shape) if d is None} or None)
     examples = [t.example(3, int_high) for t in types]
-    module = fx.export_and_import(Body(), *examples, dynamic_shapes=(tuple(spec),) if dims else None,
-                                  output_type="linalg-on-tensors", func_name=func_name)
+    with leafspec_deprecation_silenced():
+        module = fx.export_and_import(Body(), *examples, dynamic_shapes=(tuple(spec),) if dims else None,
+                                      output_type="linalg-on-tensors", func_name=func_name)
     return str(module)

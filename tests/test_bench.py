@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from k3c.cli import main
 from k3c.interface.bench import QUICK
+
+pytestmark = pytest.mark.slow  # needs tiny_bundle (a whole-model compile)
 
 
 def test_bench_quick_writes_json(tiny_bundle, k3c_cache, tmp_path):

@@ -56,12 +56,14 @@ def test_unknown_target():
     assert_one_line_error(*k3c_script("compile", "--preset", "k3-tiny", "--target", "tpu"), "unknown target", "'tpu'")
 
 
+@pytest.mark.slow  # tiny_bundle
 def test_token_id_outside_vocab(tiny_bundle):
     vocab = tiny_bundle.manifest.config["vocab_size"]
     assert_one_line_error(*k3c_script("run", tiny_bundle.root, "--prompt-ids", f"1,2,{vocab}"),
                           f"token id {vocab}", f"vocab_size {vocab}")
 
 
+@pytest.mark.slow  # tiny_bundle
 def test_prompt_longer_than_compiled_maximum(tiny_bundle):
     limit = tiny_bundle.manifest.max_prompt
     ids = ",".join(["1"] * (limit + 1))
@@ -69,20 +71,24 @@ def test_prompt_longer_than_compiled_maximum(tiny_bundle):
                           f"prompt of {limit + 1} tokens", f"1 to {limit}")
 
 
+@pytest.mark.slow  # tiny_bundle
 def test_prompt_ids_not_integers(tiny_bundle):
     assert_one_line_error(*k3c_in_process("run", tiny_bundle.root, "--prompt-ids", "1,2.5,3"), "--prompt-ids", "'2.5'")
 
 
+@pytest.mark.slow  # tiny_bundle
 def test_flipped_byte_in_module(bundle_copy):
     flip_byte(bundle_copy / "module.vmfb")
     assert_one_line_error(*k3c_script("run", bundle_copy, "--prompt-ids", "1,2"), "module.vmfb", "sha256")
 
 
+@pytest.mark.slow  # tiny_bundle
 def test_flipped_byte_in_checkpoint(bundle_copy):
     flip_byte(bundle_copy / "checkpoint" / "model.safetensors")
     assert_one_line_error(*k3c_in_process("validate", bundle_copy), "checkpoint/model.safetensors", "sha256")
 
 
+@pytest.mark.slow  # tiny_bundle
 def test_checkpoint_of_another_config_resealed(bundle_copy):
     """A checkpoint of another config put in the bundle and every hash rewritten: the config check
     still refuses it."""
@@ -95,6 +101,7 @@ def test_checkpoint_of_another_config_resealed(bundle_copy):
                           f"compiled for config {manifest.config_hash}", f"has config {other.hash}")
 
 
+@pytest.mark.slow  # tiny_bundle
 def test_manifest_config_edited(bundle_copy):
     raw = json.loads((bundle_copy / MANIFEST).read_text())
     raw["config"]["vocab_size"] *= 2

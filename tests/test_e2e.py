@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -21,6 +22,8 @@ from k3c.runtimes.session import Session
 K3C = Path(sys.executable).with_name("k3c")  # the console script installed beside this interpreter
 TOL = 1e-4                                    # fp32 max abs logit error
 DECODE_STEPS = 8
+
+pytestmark = pytest.mark.slow  # the compiled k3-tiny (tiny_bundle) and a whole-model export
 
 
 def k3c(*args, cache: Path) -> subprocess.CompletedProcess:

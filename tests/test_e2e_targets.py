@@ -10,6 +10,8 @@ from k3c.compiler import devices as device
 from k3c.compiler.targets import parse_target
 from k3c.interface.validate import TOLERANCE, validate
 
+pytestmark = pytest.mark.slow  # whole-model compiles for four targets
+
 
 def build_for(target: str, tiny_bundle, k3c_cache, tmp_path, monkeypatch):
     monkeypatch.setenv("K3C_CACHE", str(k3c_cache))

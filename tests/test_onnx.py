@@ -19,6 +19,8 @@ from k3c.cli import main
 from k3c.exporter.onnx_ops import DOMAIN, reference_evaluator
 from k3c.model.checkpoint import load_checkpoint, open_checkpoint
 
+pytestmark = pytest.mark.slow  # every test reads the k3-tiny ONNX export; the round trip compiles it
+
 ENTRY_POINTS = ("prefill", "decode")
 
 

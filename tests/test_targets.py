@@ -21,6 +21,7 @@ from torch.export import Dim, export
 from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
 from k3c.errors import K3Error
+from k3c.exporter.export import decompose
 from k3c.model import mxfp4
 from k3c.passes.lowerings import _recurrent_v_major, kda_step_v_major
 from k3c.passes.pipeline import Pipeline, Rewrite
@@ -184,7 +185,7 @@ def exported_ops() -> tuple:
                      dynamic_shapes=[per_token] * 5 + [None] + [{0: T}] * 3 + [None] * 6)
     decode = export(Ops(torch.ops.k3.kda_step), tuple(op_inputs(1, 0)))
     table = get_decomposition_table()
-    return prefill.run_decompositions(table), decode.run_decompositions(table)
+    return decompose(prefill, table), decompose(decode, table)
 
 
 @cache
@@ -207,6 +208,7 @@ def compiled_ops(spec: str) -> bytes:
     return compile_mlir(lowered_ops(rewrites), target, log=lambda _: None)
 
 
+@pytest.mark.slow  # three op modules compiled for devices this host may not have
 @pytest.mark.parametrize("spec, executable_format", [
     ("cuda:sm_80", b"cuda-nvptx-fb"), ("rocm:gfx942", b"rocm-hsaco-fb"), ("vulkan:llvmpipe", b"vulkan-spirv-fb"),
 ])
@@ -248,6 +250,7 @@ def moe_reference(z, idx, w, w1p, w1s, w3p, w3s, w2p, w2s) -> np.ndarray:
     return y
 
 
+@pytest.mark.slow  # compiles the op module for Vulkan
 @no_vulkan
 def test_custom_ops_on_vulkan_match_independent_references(fla_naive):
     """prefill of 70 tokens (a full chunk and a padded tail), then 3 decode steps fed the state
