@@ -19,7 +19,7 @@ import torch
 
 from ..errors import K3Error
 from ..model import K3Config, K3Model
-from ..model.checkpoint import TORCH_DTYPES, load_checkpoint, open_checked
+from ..model.checkpoint import TORCH_DTYPES, checkpoint_dir, load_checkpoint, open_checked
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
 from ..runtimes.targets import Target, compile_mlir
@@ -159,16 +159,13 @@ def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkp
             log(f"wrote random {preset} checkpoint (seed {seed}) in {time.perf_counter() - t0:.1f}s")
             ck_dir, ck_ref = tmp / "checkpoint", "checkpoint"
         else:
-            ck_dir = Path(checkpoint).resolve()
-            if not ck_dir.is_dir():
-                raise K3Error(f"compile: checkpoint directory {ck_dir} does not exist")
-            cfg = K3Config.from_hf(ck_dir)
+            ck_dir = checkpoint_dir(checkpoint)
             ck_ref = str(ck_dir)
         t0 = time.perf_counter()
         model = load_checkpoint(ck_dir, dtype=torch.float32)
         log(f"loaded checkpoint in {time.perf_counter() - t0:.1f}s")
-        if cfg.model_type != "kimi_k3":
-            save_checkpoint(model, tmp / "checkpoint")
+        if not open_checked(ck_dir)[1].in_model_layout:  # the module reads K3Model's names and shapes
+            save_checkpoint(model, tmp / "checkpoint")       # k3c's layout: read back as it is written
             ck_dir, ck_ref = tmp / "checkpoint", "checkpoint"
             model = load_checkpoint(ck_dir, dtype=torch.float32)  # the reference runs what the module reads
             log("converted the checkpoint to k3c tensor names inside the bundle")

@@ -36,6 +36,7 @@ class Session:
     def __init__(self, bundle: Bundle):
         import iree.runtime as rt
 
+        from ..model.checkpoint import checkpoint_files
         from .device import check_device, read_back
 
         m = bundle.manifest
@@ -49,10 +50,7 @@ class Session:
         except (RuntimeError, ValueError) as e:
             raise K3Error(f"run: cannot open IREE driver {m.target['driver']!r} for {m.target['name']}: {e}") from None
         index = rt.ParameterIndex()
-        files = sorted(bundle.checkpoint_dir.glob("*.safetensors"))
-        if not files:
-            raise K3Error(f"run: no .safetensors files in {bundle.checkpoint_dir}")
-        for f in files:
+        for f in checkpoint_files(bundle.checkpoint_dir):
             index.load(str(f))
         params = rt.create_io_parameters_module(self.config.vm_instance, index.create_provider(scope="model"))
         module = rt.VmModule.copy_buffer(self.config.vm_instance, bundle.module_path.read_bytes())
