@@ -30,6 +30,7 @@ device, so no tensor is ever held twice. Every problem is a K3Error naming the t
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import re
 import struct
@@ -153,7 +154,7 @@ def checkpoint_dir(path: str | Path) -> Path:
     try:
         directory = Path(path).resolve(strict=True)
     except (OSError, RuntimeError) as e:   # RuntimeError: a symlink loop (Python 3.11)
-        why = "a symlink loop" if isinstance(e, RuntimeError) or "loop" in str(e).lower() else "does not exist"
+        why = "a symlink loop" if isinstance(e, RuntimeError) or e.errno == errno.ELOOP else "does not exist"
         raise K3Error(f"checkpoint {path}: {why}") from None
     if not directory.is_dir():
         raise K3Error(f"checkpoint {path}: not a directory")
@@ -179,12 +180,19 @@ def _read_index(directory: Path) -> tuple[Path, dict[str, Path]]:
     shard_of = {}
     for key, shard in sorted(weight_map.items()):
         path = directory / shard
-        if Path(shard).is_absolute() or not path.resolve().is_relative_to(root):
+        if Path(shard).is_absolute() or not _inside(path, root):
             raise K3Error(f"{index}: tensor '{key}' is in shard {shard}, outside the checkpoint directory")
         if not path.is_file():
             raise K3Error(f"{index}: tensor '{key}' is in shard {shard}, which does not exist")
         shard_of[key] = path
     return index, shard_of
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(root)
+    except (OSError, RuntimeError):   # a symlink loop
+        return False
 
 
 def checkpoint_files(directory: str | Path) -> list[Path]:
