@@ -145,8 +145,9 @@ def validation_prompt(cfg: K3Config, length: int = PROMPT_LEN, seed: int = 0) ->
 def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkpoint: Path | None = None,
                  seed: int = 0, max_prompt: int = 128, log=print) -> Bundle:
     """Write a sealed bundle at ``out``. With ``preset``, a random checkpoint (``seed``) is created
-    inside the bundle; with ``checkpoint``, the bundle refers to it by absolute path and hash (Kimi
-    Linear checkpoints, whose names differ from the module's parameters, are converted into it)."""
+    inside the bundle; with ``checkpoint``, the bundle refers to it by absolute path and hash (a
+    checkpoint whose names or shapes differ from the module's parameters, such as Kimi Linear's or
+    the K3 release's, is converted once into k3c's layout inside the bundle)."""
     if (preset is None) == (checkpoint is None):
         raise K3Error("compile: give exactly one of --preset and --checkpoint")
     out = Path(out)
