@@ -70,27 +70,33 @@ KDA_TYPES = {"num_heads": "int", "head_dim": "int", "short_conv_kernel_size": "i
              "full_attn_layers": "list[int]", "kda_layers": "list[int]"}
 KDA_OPTIONAL = ("gate_lower_bound", "use_full_rank_gate", "kda_layers")
 WRAPPER_KEYS = IGNORED | {"quantization_config", "tie_word_embeddings"}   # K3 release top level (spec §8)
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)   # JSON's true/false are not numbers here
+
+
+KIND_CHECKS = {
+    "None": lambda v: v is None,
+    "int": _is_int,
+    "float": lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "dict": lambda v: isinstance(v, dict),
+    "list[int]": lambda v: isinstance(v, list) and all(map(_is_int, v)),
+}
 TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-              "None": "null", "list[int]": "a list of integers"}
+              "None": "null", "dict": "an object", "list[int]": "a list of integers"}
 
 
-def type_ok(value: Any, annotation: str) -> bool:
-    """Whether a JSON value has the type a field annotation names (``int | None``, ``dict[...]``...);
-    JSON's true/false are not numbers here."""
-    for kind in (k.strip() for k in annotation.split("|")):
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if ((kind == "None" and value is None) or (kind == "int" and number and isinstance(value, int))
-                or (kind == "float" and number and math.isfinite(value)) or (kind == "bool" and isinstance(value, bool))
-                or (kind == "str" and isinstance(value, str)) or (kind.startswith("dict") and isinstance(value, dict))
-                or (kind == "list[int]" and isinstance(value, list) and all(type_ok(v, "int") for v in value))):
-            return True
-    return False
+def _kinds(annotation: str) -> list[str]:
+    """``"dict[str, Any] | None"`` -> ["dict", "None"]."""
+    return [k.strip().split("[str")[0] for k in annotation.split("|")]
 
 
 def need_type(name: str, value: Any, annotation: str) -> None:
-    if not type_ok(value, annotation):
-        want = " or ".join(TYPE_WORDS.get(k.strip(), "an object") for k in annotation.split("|"))
-        raise ConfigError(f"config field '{name}': expected {want}, got {json.dumps(value)}")
+    """A JSON value must have the type a field's annotation names; the error names field and type."""
+    if not any(KIND_CHECKS[k](value) for k in _kinds(annotation)):
+        want = " or ".join(TYPE_WORDS[k] for k in _kinds(annotation))
+        raise ConfigError(f"config field '{name}': expected {want}, got {json.dumps(value, default=repr)}")
 
 
 def every_fourth_and_last(num_layers: int) -> list[int]:
