@@ -5,7 +5,8 @@ Kimi Linear is the K3 architecture with the softplus decay gate, a low-rank KDA 
 MLA without an output gate. transformers' ``KimiLinearForCausalLM`` is the oracle for its semantics.
 
 Config: ``k3_config_fields`` turns a Kimi Linear ``config.json`` (checkpoint or transformers spelling)
-into K3Config fields; everything transformers ignores is pinned to what it computes.
+into K3Config fields; what transformers computes whatever the config says is pinned, and a config
+that says otherwise is refused (never silently run as something else).
 
 Tensors: three spellings of the same weights exist. The official checkpoint (and transformers'
 ``save_pretrained``, which writes it back) already uses K3Model's names, with two differences; the
