@@ -220,7 +220,8 @@ def _cut_tensor(path: Path) -> str | None:
             return None
 
 
-def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor of a safetensors file: name -> (dtype, shape), from its header."""
     try:
         with safe_open(path, framework="pt") as f:
             return {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
@@ -257,7 +258,7 @@ def open_checkpoint(directory: str | Path, cfg: K3Config | None = None) -> Check
     listing, shard_of = _read_index(directory)
     stored, skipped = {}, 0
     for path in _files(listing, shard_of):
-        stored[path], n = _text_tensors(_read_header(path))
+        stored[path], n = _text_tensors(read_header(path))
         skipped += n
     if skipped and directory not in _SKIP_LOGGED:
         _SKIP_LOGGED.add(directory)

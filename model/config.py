@@ -99,6 +99,13 @@ def need_type(name: str, value: Any, annotation: str) -> None:
         raise ConfigError(f"config field '{name}': expected {want}, got {json.dumps(value, default=repr)}")
 
 
+def refuse_unknown(raw: dict[str, Any], known: set[str] | frozenset[str]) -> None:
+    """A key k3c does not know could change the model's math: refused, never ignored."""
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"config field '{unknown[0]}': not a key k3c knows (it could change the model's math)")
+
+
 def every_fourth_and_last(num_layers: int) -> list[int]:
     """The published plan: full attention at 1-indexed layers 4, 8, ... and the last one."""
     plan = [i for i in range(4, num_layers + 1, 4)]
@@ -318,9 +325,11 @@ class K3Config:
             need(weights.get("num_bits", 4) == 4 and weights.get("type", "float") == "float",
                  f"config_groups.{name}.weights", "MXFP4 weights are 4-bit floats")
         if "group_size" in q:
-            need(q["group_size"] == MXFP4_GROUP, "group_size", f"MXFP4 scales groups of {MXFP4_GROUP}, got {q['group_size']!r}")
+            need(q["group_size"] == MXFP4_GROUP, "group_size",
+                 f"MXFP4 scales groups of {MXFP4_GROUP}, got {q['group_size']!r}")
         ignore = q.get("ignore", [])
-        need(isinstance(ignore, list) and all(isinstance(p, str) for p in ignore), "ignore", "expected a list of strings")
+        need(isinstance(ignore, list) and all(isinstance(p, str) for p in ignore), "ignore",
+             "expected a list of strings")
         for p in ignore:
             try:
                 re.compile(p[3:]) if p.startswith("re:") else None
@@ -359,9 +368,7 @@ class K3Config:
         if model_type == "kimi_k3" and "text_config" in raw:
             text = raw["text_config"]
             need_type("text_config", text, "dict")
-            unknown = sorted(set(raw) - WRAPPER_KEYS)
-            if unknown:
-                raise ConfigError(f"config field '{unknown[0]}': not a key k3c knows (it could change the model's math)")
+            refuse_unknown(raw, WRAPPER_KEYS)
             quant = [q for q in (raw.get("quantization_config"), text.get("quantization_config")) if q is not None]
             if len(quant) == 2 and quant[0] != quant[1]:
                 raise ConfigError("config field 'quantization_config': the top level and text_config disagree")
@@ -386,13 +393,12 @@ class K3Config:
                 value = raw.pop(alias)
                 raw.setdefault(name, value)
         names = {f.name for f in dataclasses.fields(cls)} - {"layout"}
+        refuse_unknown(raw, names | FIXED.keys() | IGNORED)
         for key, value in raw.items():
             if key in FIXED and FIXED[key] is not None and not any(
                     type(value) is type(v) and value == v for v in FIXED[key]):
                 allowed = " or ".join(json.dumps(v) for v in FIXED[key])
                 raise ConfigError(f"config field '{key}': k3c implements {allowed} only, got {json.dumps(value)}")
-            if key not in names and key not in FIXED and key not in IGNORED:
-                raise ConfigError(f"config field '{key}': not a key k3c knows (it could change the model's math)")
         kv_heads = raw.get("num_key_value_heads")
         if kv_heads is not None and kv_heads != raw.get("num_attention_heads", cls.num_attention_heads):
             raise ConfigError(f"config field 'num_key_value_heads': must equal num_attention_heads, got {kv_heads!r}")

@@ -22,7 +22,8 @@ from ..artifacts.bundle import atomic_dir
 from ..errors import K3Error
 from . import mxfp4
 from .checkpoint import (CONFIG_FILE, DTYPE_NAMES, FLOAT_DTYPES, INDEX_FILE, SINGLE_FILE, TORCH_DTYPES,
-                         check_scales, open_checked, progress, stored_dtype, to_checkpoint_name)
+                         check_scales, open_checked, progress, read_header, stored_dtype,
+                         to_checkpoint_name)
 from .config import K3Config
 from .model import K3Model
 
@@ -164,7 +165,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path) -> list[QuantizedTenso
     file_of: dict[str, str] = {}
     total = 0
     with atomic_dir(dst) as tmp:
-        for path, header in ckpt.stored.items():
+        for path in ckpt.stored:
+            header = read_header(path)   # every tensor of the file, the vision tower's too (spec §8)
             out = quantized_header(path, header)
             file_of.update(dict.fromkeys(out, path.name))
             if out == header:

@@ -78,7 +78,8 @@ def test_huge_configs_are_inspected_from_shapes_and_refused_by_compile(tmp_path,
         text["linear_attn_config"].update(full_attn_layers=[value], kda_layers=list(range(1, value)))
     d = write_config(tmp_path / "huge", k3_release_config(text))
     script = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
-              f"r = subprocess.run([{str(K3C)!r}, 'inspect', '--config', {str(d)!r}, '--json'], capture_output=True, text=True); "
+              f"r = subprocess.run([{str(K3C)!r}, 'inspect', '--config', {str(d)!r}, '--json'], "
+              "capture_output=True, text=True); "
               "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, r.returncode); "
               "print(r.stderr, file=sys.stderr)")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -145,6 +146,24 @@ def test_release_layout_compiles_validates_and_gives_the_plain_logits(release_di
     got, want = np.load(bundle.reference_path), np.load(tiny_bundle.reference_path)
     for key in ("prompt_ids", "prefill_logits", "decode_ids", "decode_logits"):
         assert np.array_equal(got[key], want[key]), key
+
+
+def test_quantize_keeps_the_vision_tensors_of_the_release(tmp_path):
+    from k3c.model import K3Model
+    from k3c.model.convert import quantize_checkpoint, save_checkpoint
+    from k3c.model.init import init_weights
+    tiny = K3Config.preset("k3-tiny")
+    plain = save_checkpoint(init_weights(K3Model(type(tiny)(**{**tiny.to_dict(), "quantization_config": None})), 1),
+                            tmp_path / "plain")
+    release = release_layout(plain, tmp_path / "release")
+    report = quantize_checkpoint(release, tmp_path / "quantized")
+    assert len(report) == 5 * 8 * 3   # every float expert matrix of the 5 MoE layers
+    last = load_file(tmp_path / "quantized" / "model-00002-of-00002.safetensors")
+    assert all(torch.equal(last[k], v) for k, v in VISION.items())
+    quantize_checkpoint(plain, tmp_path / "plain-quantized")
+    got = load_checkpoint(tmp_path / "quantized").state_dict()
+    want = load_checkpoint(tmp_path / "plain-quantized").state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
 
 
 # ---- Kimi Linear: transformers' save_pretrained and the Hub layout --------------------------------
