@@ -63,10 +63,14 @@ def load_config(preset: str | None, config: str | None):
               help="Context length for cache sizes and attention FLOPs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def inspect(preset, config_dir, context, as_json):
-    """Parameters, bytes, state and cache sizes, FLOPs per token, from shapes on the meta device.
-    Writes nothing."""
+    """Parameters, bytes, state and cache sizes, FLOPs per token, from shapes on the meta device;
+    when --config is a checkpoint directory, parameters and bytes as its safetensors headers store
+    them. Writes nothing."""
     from .model.accounting import account, render
-    figures = account(load_config(preset, config_dir), context)
+    from .model.checkpoint import INDEX_FILE, SINGLE_FILE
+    checkpoint = Path(config_dir) if config_dir and any(
+        (Path(config_dir) / f).is_file() for f in (INDEX_FILE, SINGLE_FILE)) else None
+    figures = account(load_config(preset, config_dir), context, checkpoint)
     click.echo(json.dumps(figures, indent=2) if as_json else render(figures))
 
 
@@ -76,7 +80,7 @@ def inspect(preset, config_dir, context, as_json):
               help="Tokens per batch (>= 56: a target load of at least one token per expert).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the synthetic router and its batches.")
 def balance_demo(steps, tokens, seed):
-    """Quantile Balancing against the sign rule at gamma 1e-4 ... 1e-1 (spec §4), on a synthetic
+    """Quantile Balancing against the sign rule at gamma 1e-4 ... 1e-1 (docs/model.md §4), on a synthetic
     skewed sigmoid router with 896 experts, top-16, a fresh batch per step."""
     from .model.balance import balance_demo as run_demo, render_history
     start = time.perf_counter()

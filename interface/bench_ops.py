@@ -1,9 +1,9 @@
 """Op-level benchmark modules: one k3 custom op exported alone, lowered and compiled as the model is.
 
-- KDA prefill (spec §1): ``torch.k3.kda_chunk`` with a dynamic token count, compiled twice from the
+- KDA prefill (docs/model.md §1): ``torch.k3.kda_chunk`` with a dynamic token count, compiled twice from the
   same export: with the pipeline's chunkwise lowering, and with a token-by-token baseline, an
   ``scf.for`` over tokens calling the traced one-token recurrence (``kda.kda_recurrent``).
-- MXFP4 MoE (spec §4-5): ``torch.k3.mxfp4_moe`` for one token, which the pipeline lowers to its
+- MXFP4 MoE (docs/model.md §4-5): ``torch.k3.mxfp4_moe`` for one token, which the pipeline lowers to its
   decode form (a loop over the picked experts), and the same loop over the experts stored in bf16.
 Compiled modules are cached (verified entries, utils/files.py) by what decides them: shapes, k3c sources,
 target and package versions.

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import K3Error
 from ..model import K3Config, K3Model
-from ..model.checkpoint import load_checkpoint
+from ..model.checkpoint import TORCH_DTYPES, checkpoint_dir, load_checkpoint, open_checked
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
 from ..compiler.targets import Target, compile_mlir
@@ -156,11 +156,13 @@ def validation_prompt(cfg: K3Config, length: int = PROMPT_LEN, seed: int = 0) ->
 def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkpoint: Path | None = None,
                  seed: int = 0, max_prompt: int = 128, force: bool = True, log=print) -> Bundle:
     """Write a sealed bundle at ``out``. With ``preset``, a random checkpoint (``seed``) is created
-    inside the bundle; with ``checkpoint``, the bundle refers to it by absolute path and hash (Kimi
-    Linear checkpoints, whose names differ from the module's parameters, are converted into it).
-    ``out`` follows utils.files.check_output (``force``: replace a bundle written before)."""
+    inside the bundle; with ``checkpoint``, the bundle refers to it by absolute path and hash (a
+    checkpoint whose names or shapes differ from the module's parameters, such as Kimi Linear's or
+    the K3 release's, is converted once into k3c's layout inside the bundle). ``out`` follows
+    utils.files.check_output (``force``: replace a bundle written before)."""
     if (preset is None) == (checkpoint is None):
         raise K3Error("compile: give exactly one of --preset and --checkpoint")
+    checkpoint = None if checkpoint is None else checkpoint_dir(checkpoint)
     out = check_output(out, force=force, inputs=(checkpoint,))
     t_start = time.perf_counter()
     with atomic_dir(out, force=force) as tmp:
@@ -171,16 +173,13 @@ def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkp
             log(f"wrote random {preset} checkpoint (seed {seed}) in {time.perf_counter() - t0:.1f}s")
             ck_dir, ck_ref = tmp / "checkpoint", "checkpoint"
         else:
-            ck_dir = Path(checkpoint).resolve()
-            if not ck_dir.is_dir():
-                raise K3Error(f"compile: checkpoint directory {ck_dir} does not exist")
-            cfg = K3Config.from_hf(ck_dir)
+            ck_dir = checkpoint_dir(checkpoint)
             ck_ref = str(ck_dir)
         t0 = time.perf_counter()
         model = load_checkpoint(ck_dir, dtype=torch.float32)
         log(f"loaded checkpoint in {time.perf_counter() - t0:.1f}s")
-        if cfg.model_type != "kimi_k3":
-            save_checkpoint(model, tmp / "checkpoint")
+        if not open_checked(ck_dir)[1].in_model_layout:  # the module reads K3Model's names and shapes
+            save_checkpoint(model, tmp / "checkpoint")       # k3c's layout: read back as it is written
             ck_dir, ck_ref = tmp / "checkpoint", "checkpoint"
             model = load_checkpoint(ck_dir, dtype=torch.float32)  # the reference runs what the module reads
             log("converted the checkpoint to k3c tensor names inside the bundle")

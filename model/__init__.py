@@ -1,4 +1,4 @@
-"""The K3 reference model in PyTorch: config, modules, custom ops, checkpoints, MXFP4 (spec §0-6)."""
+"""The K3 reference model in PyTorch: config, modules, custom ops, checkpoints, MXFP4 (docs/model.md §0-6)."""
 from .config import ConfigError, K3Config, PRESETS
 from .model import K3Model, K3State
 

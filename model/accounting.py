@@ -1,27 +1,36 @@
-"""Parameters, bytes, decode state, cache and FLOPs of a configuration, from module shapes (spec §6).
+"""Parameters, bytes, decode state, cache and FLOPs of a configuration, from module shapes (docs/model.md §6).
 
-Nothing is allocated: the modules are built on the meta device and their parameters and buffers
-walked. Decoder layers of one kind (KDA or MLA attention, dense MLP or MoE) have the same shapes,
-so one layer of each kind is built and counted once per layer of that kind; building K3's 82,432
-experts one by one would take about a minute. MXFP4 experts count as their logical weights
-(out x in per matrix: two per packed byte; the scales are not weights) and their bytes as stored.
+Nothing is allocated, and nothing is built per layer or per expert: decoder layers of one kind (KDA
+or MLA attention, dense MLP or MoE) have the same shapes, so one layer of each kind is built on the
+meta device, with a single routed expert, and each tensor counted once per layer of that kind and,
+for the router and the experts, once per expert. A config with a million layers or experts costs
+what k3-tiny does.
+
+The figures count what a checkpoint stores: MXFP4 experts as their logical weights (out x in per
+matrix: two per packed byte; the scales are not weights) and their bytes as stored, Kimi Linear's
+``A_log`` as its H stored values (K3Model pads it to max(H, K)). Bytes follow the stored dtypes: from
+the safetensors headers when a checkpoint is given (``account_checkpoint``), else from the published
+layout of the config (docs/model.md §8; ``published_dtype``).
 """
 from __future__ import annotations
 
 import dataclasses
 import io
+import re
 from collections import Counter
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.filesize import decimal
 from rich.table import Table
 
-from .checkpoint import stored_dtype
+from ..errors import K3Error
+from .checkpoint import FP32_SUFFIXES, TORCH_DTYPES, open_checkpoint
 from .config import K3Config
 from .model import DecoderLayer, K3Model
 
-CACHE_BYTES = 2  # the MLA latent cache is kept in 16-bit (spec §6)
+CACHE_BYTES = 2  # the MLA latent cache is kept in 16-bit (docs/model.md §6)
 LAYER_COMPONENTS = (  # (component, tensor name prefix inside a decoder layer); self_attn goes by kind
     ("routed_experts", "block_sparse_moe.experts."),
     ("shared_experts", "block_sparse_moe.shared_experts."),
@@ -30,6 +39,10 @@ LAYER_COMPONENTS = (  # (component, tensor name prefix inside a decoder layer); 
     ("dense_mlp", "mlp."),
 )
 TOP_COMPONENTS = (("embedding", "model.embed_tokens."), ("lm_head", "lm_head."))
+PER_EXPERT = ("block_sparse_moe.experts.", "block_sparse_moe.gate.")  # built for one expert, counted E times
+# float tensors a published layout stores in fp32 (docs/model.md §8); everything else float is bf16
+PUBLISHED_FP32 = {"k3c": FP32_SUFFIXES, "k3_release": FP32_SUFFIXES, "kimi_linear": (".A_log", ".dt_bias")}
+LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)")
 
 
 def named_tensors(module: torch.nn.Module):
@@ -37,35 +50,49 @@ def named_tensors(module: torch.nn.Module):
     yield from module.named_buffers()
 
 
-def weights(name: str, t: torch.Tensor) -> int:
-    """Logical weights of a tensor: an MXFP4 ``weight_packed`` [..., out, in/2] holds out * in."""
-    if name.endswith("weight_packed"):
-        return 2 * t.numel()
-    return 0 if name.endswith("weight_scale") else t.numel()
+def weights(name: str, numel: int) -> int:
+    """Logical weights of a tensor: an MXFP4 ``weight_packed`` [out, in/2] (or gpt-oss ``_blocks``)
+    holds two per byte; scales hold none."""
+    if name.endswith(("weight_packed", "_blocks")):
+        return 2 * numel
+    return 0 if name.endswith(("weight_scale", "_scales")) else numel
 
 
-def stored_bytes(name: str, t: torch.Tensor) -> int:
-    return t.numel() * stored_dtype(name, t).itemsize
+def published_dtype(cfg: K3Config, name: str, t: torch.Tensor) -> torch.dtype:
+    """The dtype the published layout of ``cfg`` stores a K3Model tensor in (docs/model.md §8)."""
+    if t.dtype == torch.uint8:
+        return torch.uint8
+    return torch.float32 if name.endswith(PUBLISHED_FP32[cfg.layout]) else torch.bfloat16
 
 
-def component(name: str, layer: DecoderLayer | None) -> str:
-    """Which part of the model a tensor belongs to; ``layer`` is None outside model.layers."""
-    if layer is not None and name.startswith("self_attn."):
-        return layer.kind
-    for comp, prefix in LAYER_COMPONENTS if layer is not None else TOP_COMPONENTS:
+def stored_numel(cfg: K3Config, name: str, t: torch.Tensor) -> int:
+    """Numbers stored for a K3Model tensor: Kimi Linear stores A_log as [1, 1, H, 1] (kimi_linear.py)."""
+    if cfg.layout == "kimi_linear" and name.endswith("A_log"):
+        return cfg.kda_heads
+    return t.numel()
+
+
+def component(name: str, kind: str | None) -> str:
+    """Which part of the model a tensor belongs to; ``kind`` (the layer's attention) is None
+    outside model.layers."""
+    if kind is not None and name.startswith("self_attn."):
+        return kind
+    for comp, prefix in LAYER_COMPONENTS if kind is not None else TOP_COMPONENTS:
         if name.startswith(prefix):
             return comp
     return "norms_attnres"
 
 
 def layer_kinds(cfg: K3Config) -> list[tuple[DecoderLayer, int]]:
-    """One DecoderLayer per distinct (attention kind, MoE or dense) and the number of such layers."""
+    """One DecoderLayer per distinct (attention kind, MoE or dense), built with one routed expert,
+    and the number of such layers."""
     first, count = {}, Counter()
     for i, kind in enumerate(cfg.layer_kinds):
         key = (kind, cfg.is_moe(i))
         first.setdefault(key, i)
         count[key] += 1
-    return [(DecoderLayer(cfg, i), count[key]) for key, i in first.items()]
+    one_expert = dataclasses.replace(cfg, num_experts=1, num_experts_per_token=1)
+    return [(DecoderLayer(one_expert, i), count[key]) for key, i in first.items()]
 
 
 def outer_tensors(cfg: K3Config) -> list[tuple[str, torch.Tensor]]:
@@ -76,33 +103,86 @@ def outer_tensors(cfg: K3Config) -> list[tuple[str, torch.Tensor]]:
     return [(n, t) for n, t in named_tensors(K3Model(one_layer)) if not n.startswith("model.layers.")]
 
 
-def account(cfg: K3Config, context: int = 1_048_576) -> dict:
-    """Every figure of spec §6 for ``cfg``; cache sizes and attention FLOPs at ``context`` tokens."""
-    params, nbytes = Counter(), Counter()
+def model_tensors(cfg: K3Config):
+    """(component, K3Model tensor name (in its layer), meta tensor, how many of it the model holds)."""
     with torch.device("meta"):
         layers = layer_kinds(cfg)
         for name, t in outer_tensors(cfg):
-            params[component(name, None)] += weights(name, t)
-            nbytes[component(name, None)] += stored_bytes(name, t)
-    for layer, n in layers:
-        for name, t in named_tensors(layer):
-            params[component(name, layer)] += n * weights(name, t)
-            nbytes[component(name, layer)] += n * stored_bytes(name, t)
+            yield component(name, None), name, t, 1
+        for layer, n in layers:
+            for name, t in named_tensors(layer):
+                yield component(name, layer.kind), name, t, n * (cfg.num_experts if name.startswith(PER_EXPERT) else 1)
 
+
+def require_memory(cfg: K3Config, dtype: torch.dtype, what: str) -> None:
+    """Refuse up front, in one line, to build a model whose float tensors at ``dtype`` (MXFP4 experts
+    as stored) would not fit in the memory this machine has available."""
+    need = sum(n * t.numel() * (1 if t.dtype == torch.uint8 else dtype.itemsize) for _, _, t, n in model_tensors(cfg))
+    have = available_memory()
+    if need > have:
+        raise K3Error(f"{what}: the model needs {decimal(need)} in {str(dtype).removeprefix('torch.')}, "
+                      f"more than the {decimal(have)} of memory available here")
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else physical memory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def stored_counts(cfg: K3Config, checkpoint: Path | None) -> tuple[Counter, Counter]:
+    """Parameters and bytes per component as stored: from the safetensors headers of ``checkpoint``,
+    or from the published layout (module docstring)."""
+    params, nbytes = Counter(), Counter()
+    if checkpoint is None:
+        for comp, name, t, n in model_tensors(cfg):
+            numel = stored_numel(cfg, name, t)
+            params[comp] += n * weights(name, numel)
+            nbytes[comp] += n * numel * published_dtype(cfg, name, t).itemsize
+        return params, nbytes
+    ckpt = open_checkpoint(checkpoint, cfg)
+    model_name = {}  # stored tensor -> the (first) K3Model tensor it holds, whose component it is
+    for name, e in ckpt.entries.items():
+        model_name.setdefault((e.file, e.key), name)
+    kinds = cfg.layer_kinds
+    for path, header in ckpt.stored.items():
+        for key, (dtype, shape) in header.items():
+            m = LAYER.fullmatch(model_name[path, key])
+            comp = component(m[2], kinds[int(m[1])]) if m else component(model_name[path, key], None)
+            if dtype not in TORCH_DTYPES:
+                raise K3Error(f"{path}: tensor '{key}' has dtype {dtype}, which k3c does not read")
+            numel = torch.Size(shape).numel()
+            params[comp] += weights(key, numel)
+            nbytes[comp] += numel * TORCH_DTYPES[dtype].itemsize
+    return params, nbytes
+
+
+def account(cfg: K3Config, context: int = 1_048_576, checkpoint: Path | None = None) -> dict:
+    """Every figure of docs/model.md §6 for ``cfg``; cache sizes and attention FLOPs at ``context`` tokens;
+    parameters and bytes as ``checkpoint`` stores them when given."""
+    params, nbytes = stored_counts(cfg, checkpoint)
+    with torch.device("meta"):
+        layers = layer_kinds(cfg)
     moe = [(layer.block_sparse_moe, n) for layer, n in layers if hasattr(layer, "block_sparse_moe")]
-    expert = list(named_tensors(moe[0][0].experts)) if moe else []  # stacked [E, ...]: one expert is t[0]
-    per_expert = sum(weights(name, t[0]) for name, t in expert)
-    per_expert_bytes = sum(stored_bytes(name, t[0]) for name, t in expert)
+    expert = [(name, t[0]) for name, t in named_tensors(moe[0][0].experts)] if moe else []  # stacked [E, ...]
+    per_expert = sum(weights(name, t.numel()) for name, t in expert)
+    per_expert_bytes = sum(t.numel() * published_dtype(cfg, name, t).itemsize for name, t in expert)
     active_experts = sum(n * cfg.num_experts_per_token for _, n in moe)
     total = sum(params.values())
     trunk = total - params["embedding"] - params["routed_experts"]
     active = trunk + active_experts * per_expert
 
-    # Decode state (spec §1): S [H, K, V] fp32 per KDA layer (V = K), and the conv state of q, k, v.
+    # Decode state (docs/model.md §1): S [H, K, V] fp32 per KDA layer (V = K), and the conv state of q, k, v.
     kda = [(layer.self_attn, n) for layer, n in layers if layer.kind == "kda"]
     kda_state = sum(n * a.H * a.K * a.K for a, n in kda)
     conv_state = sum(n * 3 * a.q_conv1d.weight.shape[0] * (a.q_conv1d.weight.shape[-1] - 1) for a, n in kda)
-    # MLA cache (spec §2): one kv_a_proj_with_mqa output [c_n | k_pe] per token per layer.
+    # MLA cache (docs/model.md §2): one kv_a_proj_with_mqa output [c_n | k_pe] per token per layer.
     mla = [(layer.self_attn, n) for layer, n in layers if layer.kind == "mla"]
     mla_per_token = sum(n * a.kv_a_proj_with_mqa.out_features for a, n in mla)
     # Absorbed decode of one token over `context` cached tokens, per head: scores over the
@@ -115,7 +195,7 @@ def account(cfg: K3Config, context: int = 1_048_576) -> dict:
         "context": context,
         "params_total": total,
         "params_by_component": dict(params),
-        "routed_experts": sum(m.cfg.num_experts * n for m, n in moe),
+        "routed_experts": sum(cfg.num_experts * n for _, n in moe),
         "params_per_routed_expert": per_expert,
         "params_trunk": trunk,
         "params_active_per_token": active,

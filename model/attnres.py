@@ -1,4 +1,4 @@
-"""Block Attention Residuals (spec §3): each sublayer reads a softmax mix over depth.
+"""Block Attention Residuals (docs/model.md §3): each sublayer reads a softmax mix over depth.
 
 Rows V = [b_0, ..., b_{m-1}, p]: the closed blocks of the bank and the running partial sum.
 s_j = (w * gamma) . V_j / sqrt(mean(V_j^2) + eps), alpha = softmax(s) in fp32, h = sum_j alpha_j V_j.

@@ -1,4 +1,4 @@
-"""Router load balancing on the training side: Quantile Balancing and the sign rule (spec §4).
+"""Router load balancing on the training side: Quantile Balancing and the sign rule (docs/model.md §4).
 
 At inference the result is frozen as ``gate.e_score_correction_bias``: token i sends itself to the
 top-k experts by s_ij + b_j, where s are the sigmoid scores. Both rules move b between batches so

@@ -1,14 +1,14 @@
-"""Reading checkpoint directories (Hugging Face layout) into a K3Model (spec §0-5); convert.py writes them.
+"""Reading checkpoint directories (Hugging Face layout) into a K3Model (docs/model.md §0-5); convert.py writes them.
 
 A directory holds ``config.json`` and either ``model.safetensors`` or shards
 ``model-0000i-of-0000N.safetensors`` listed by ``model.safetensors.index.json``. Tensors carry
 K3Model's state_dict names (Kimi Linear checkpoints map through ``kimi_linear.k3_parts``). Trunk
-tensors may be bf16, f16 or f32 (convert.py writes bf16, and f32 where spec §1 and §4 say so: short-conv
+tensors may be bf16, f16 or f32 (convert.py writes bf16, and f32 where docs/model.md §1 and §4 say so: short-conv
 weights, ``dt_bias``, ``A_log``, ``o_norm``, ``e_score_correction_bias``). Routed experts are
 MXFP4, ``experts.{e}.w{1,3,2}.weight_packed`` u8 [out, in/2] + ``.weight_scale`` u8 [out, in/32]
 (w1 gate, w3 up, w2 down), or a float ``.weight`` when the config has no ``quantization_config``.
 
-Also read: routed experts in the gpt-oss layout (spec §5), four stacked tensors per layer,
+Also read: routed experts in the gpt-oss layout (docs/model.md §5), four stacked tensors per layer,
     ``model.layers.N.block_sparse_moe.experts.gate_up_proj_blocks`` u8 [E, 2I, L/32, 16]
     ``model.layers.N.block_sparse_moe.experts.gate_up_proj_scales`` u8 [E, 2I, L/32]
     ``model.layers.N.block_sparse_moe.experts.down_proj_blocks``    u8 [E, L, I/32, 16]
@@ -16,15 +16,25 @@ Also read: routed experts in the gpt-oss layout (spec §5), four stacked tensors
 with gate and up rows interleaved (row 2i = w1 row i, row 2i + 1 = w3 row i); they are presented as
 the per-expert K3 tensors and read one expert at a time.
 
+Which files a checkpoint is (``checkpoint_files``, the one rule): exactly ``model.safetensors``, or
+the shards the index's ``weight_map`` names, inside the directory; any other ``*.safetensors`` beside
+them is never read. The K3 release (docs/model.md §8) names every text tensor under ``language_model.`` and
+stores the vision tower and projector (``vision_tower.*``, ``mm_projector.*``) in the same shards:
+the prefix is dropped, the others skipped with one log line. What is stored must agree with the
+config's ``quantization_config``, tensor by tensor (``check_quantization``). Float tensors are
+checked for NaN and Inf as they are read.
+
 Reading is lazy and memory-mapped (``safe_open``, never pickle) into a model built on the meta
 device, so no tensor is ever held twice. Every problem is a K3Error naming the tensor and file.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import re
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -51,11 +61,22 @@ TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 PROGRESS = Console(stderr=True)
 GPT_OSS = re.compile(r"(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)_(?P<part>blocks|scales)")
+TEXT_PREFIX = "language_model."                      # the K3 release's text tensors (docs/model.md §8)
+NOT_TEXT = ("vision_tower.", "mm_projector.")         # stored beside them, skipped
+FLOAT_EXPERT = re.compile(r".*\.experts\.\d+\.w[123]\.weight")
+MXFP4_SUFFIXES = (".weight_packed", ".weight_scale", "_blocks", "_scales")
+_SKIP_LOGGED: set[Path] = set()
 
 
 def progress(items: Iterable, what: str) -> Iterable:
     """A rich progress bar on stderr while iterating ``items``, shown only on a terminal."""
     return track(items, what, transient=True, console=PROGRESS, disable=not PROGRESS.is_terminal)
+
+
+def to_model_name(name: str) -> str:
+    """Checkpoint tensor name -> K3Model checkpoint-layout name: K3's names are the checkpoint's,
+    under ``language_model.`` in the release. Kimi Linear names then map through ``kimi_linear.k3_parts``."""
+    return name.removeprefix(TEXT_PREFIX)
 
 
 def stored_dtype(name: str, t: torch.Tensor) -> torch.dtype:
@@ -110,14 +131,35 @@ def gpt_oss_entries(file: Path, key: str, dtype: str, shape: tuple[int, ...]) ->
 class Checkpoint:
     """The tensors of a checkpoint directory, from the safetensors headers only (no data read).
 
-    ``stored``: file -> {key: (dtype, shape)} as stored; ``entries``: K3Model name -> Entry."""
+    ``stored``: file -> {key: (dtype, shape)} as stored (text tensors only); ``entries``: K3Model
+    name -> Entry."""
     directory: Path
     listing: Path                 # the index, or the single file: what names the tensors
     stored: dict[Path, dict[str, tuple[str, tuple[int, ...]]]]
     entries: dict[str, Entry]
 
+    @property
+    def in_model_layout(self) -> bool:
+        """Whether every tensor is stored under its K3Model name and shape, as the compiled module's
+        parameters are read (else a bundle needs the checkpoint converted: convert.save_checkpoint)."""
+        return all(name == e.key and e.part is None for name, e in self.entries.items())
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """A checkpoint directory, resolved; a missing one or a symlink loop is a one-line error."""
+    try:
+        directory = Path(path).resolve(strict=True)
+    except (OSError, RuntimeError) as e:   # RuntimeError: a symlink loop (Python 3.11)
+        why = "a symlink loop" if isinstance(e, RuntimeError) or e.errno == errno.ELOOP else "does not exist"
+        raise K3Error(f"checkpoint {path}: {why}") from None
+    if not directory.is_dir():
+        raise K3Error(f"checkpoint {path}: not a directory")
+    return directory
+
 
 def _read_index(directory: Path) -> tuple[Path, dict[str, Path]]:
+    """The listing (index or single file) and, for a sharded checkpoint, each tensor's shard. Every
+    shard must lie inside the directory (no absolute path, no ``..`` out of it, no symlink out)."""
     index = directory / INDEX_FILE
     if not index.is_file():
         single = directory / SINGLE_FILE
@@ -126,15 +168,36 @@ def _read_index(directory: Path) -> tuple[Path, dict[str, Path]]:
         return single, {}
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise K3Error(f"{index}: not a safetensors index with a weight_map ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise K3Error(f"{index}: not a safetensors index with a weight_map ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise K3Error(f"{index}: weight_map must be an object of tensor name -> shard file name")
+    root = directory.resolve()
     shard_of = {}
     for key, shard in sorted(weight_map.items()):
         path = directory / shard
+        if Path(shard).is_absolute() or not _inside(path, root):
+            raise K3Error(f"{index}: tensor '{key}' is in shard {shard}, outside the checkpoint directory")
         if not path.is_file():
             raise K3Error(f"{index}: tensor '{key}' is in shard {shard}, which does not exist")
         shard_of[key] = path
     return index, shard_of
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(root)
+    except (OSError, RuntimeError):   # a symlink loop
+        return False
+
+
+def checkpoint_files(directory: str | Path) -> list[Path]:
+    """The safetensors files a checkpoint is: ``model.safetensors``, or the shards its index names."""
+    return _files(*_read_index(checkpoint_dir(directory)))
+
+
+def _files(listing: Path, shard_of: dict[str, Path]) -> list[Path]:
+    return sorted(set(shard_of.values())) if shard_of else [listing]
 
 
 def _cut_tensor(path: Path) -> str | None:
@@ -146,41 +209,80 @@ def _cut_tensor(path: Path) -> str | None:
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else size
         try:
             header = json.loads(f.read(n)) if 8 + n <= size else {}
-        except ValueError:
+            ends = {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
+            cut = [k for k, (_, end) in ends.items() if 8 + n + end > size]
+            return min(cut, key=lambda k: ends[k][0]) if cut else None
+        except (ValueError, TypeError, KeyError, AttributeError):   # not a header of that structure
             return None
-    cut = [k for k, v in header.items() if k != "__metadata__" and 8 + n + v["data_offsets"][1] > size]
-    return min(cut, key=lambda k: header[k]["data_offsets"][0]) if cut else None
 
 
-def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor of a safetensors file: name -> (dtype, shape), from its header."""
     try:
         with safe_open(path, framework="pt") as f:
             return {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
-    except SafetensorError as e:
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
         cut = _cut_tensor(path)
-        what = f"tensor '{cut}' is cut short (truncated file)" if cut else f"unreadable safetensors file ({e})"
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        what = f"tensor '{cut}' is cut short (truncated file)" if cut else f"unreadable safetensors file ({why})"
         raise K3Error(f"{path}: {what}") from None
 
 
+def _text_tensors(header: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[dict, int]:
+    """The header without the vision tower and projector (docs/model.md §8), and how many were left out."""
+    text = {k: v for k, v in header.items() if not k.startswith(NOT_TEXT)}
+    return text, len(header) - len(text)
+
+
+def check_quantization(cfg: K3Config, path: Path, key: str, name: str) -> None:
+    """What a tensor is stored as must be what ``quantization_config`` says (docs/model.md §8): MXFP4 pairs
+    only for routed experts the config quantises, float ``.weight`` for the rest."""
+    where = f"{path}: tensor '{key}'"
+    if name.endswith(MXFP4_SUFFIXES):
+        if not cfg.experts_mxfp4:
+            raise K3Error(f"{where} is stored MXFP4, but the config has no quantization_config")
+        if cfg.quantization_ignores(name):
+            raise K3Error(f"{where} is stored MXFP4, but quantization_config.ignore names it")
+    elif cfg.experts_mxfp4 and FLOAT_EXPERT.fullmatch(name):
+        raise K3Error(f"{where} is a float routed expert, but quantization_config says "
+                      f"{cfg.quantization_config.get('format')} (weight_packed + weight_scale)")
+
+
 def open_checkpoint(directory: str | Path, cfg: K3Config | None = None) -> Checkpoint:
-    """List a checkpoint's tensors from the index and the safetensors headers (spec §0-5)."""
-    directory = Path(directory)
+    """List a checkpoint's tensors from the index and the safetensors headers (docs/model.md §0-5, §8)."""
+    directory = checkpoint_dir(directory)
     listing, shard_of = _read_index(directory)
-    files = sorted(set(shard_of.values())) if shard_of else [listing]
-    stored = {path: _read_header(path) for path in files}
+    stored, skipped = {}, 0
+    for path in _files(listing, shard_of):
+        stored[path], n = _text_tensors(read_header(path))
+        skipped += n
+    if skipped and directory not in _SKIP_LOGGED:
+        _SKIP_LOGGED.add(directory)
+        print(f"{directory}: skipped {skipped} vision_tower / mm_projector tensors (not the text model)",
+              file=sys.stderr)
     for key, path in shard_of.items():
-        if key not in stored[path]:
+        if key not in stored[path] and not key.startswith(NOT_TEXT):
             raise K3Error(f"{path}: tensor '{key}' listed in {listing.name} is not in the file")
     entries: dict[str, Entry] = {}
     for path, header in stored.items():
         for key, (dtype, shape) in header.items():
             if shard_of and shard_of.get(key) != path:
-                continue  # the index decides which shard a tensor is read from
-            if cfg is not None and cfg.model_type == "kimi_linear":
-                expanded = {k: Entry(path, key, dtype, s, part=part) for k, s, part in k3_parts(key, shape, cfg)}
+                raise K3Error(f"{path}: tensor '{key}' is also stored in {shard_of[key].name}, which "
+                              f"{listing.name} names; remove the copy" if key in shard_of else
+                              f"{path}: tensor '{key}' is not listed in {listing.name}")
+            name = to_model_name(key)
+            if cfg is not None:
+                check_quantization(cfg, path, key, name)
+            if cfg is not None and cfg.layout == "kimi_linear":
+                expanded = {k: Entry(path, key, dtype, s, part=part) for k, s, part in k3_parts(name, shape, cfg)}
             else:
-                expanded = gpt_oss_entries(path, key, dtype, shape) or {key: Entry(path, key, dtype, shape)}
-            entries.update(expanded)
+                expanded = gpt_oss_entries(path, key, dtype, shape) or {name: Entry(path, key, dtype, shape)}
+            for k, entry in expanded.items():
+                k = to_model_name(k)
+                if k in entries:
+                    raise K3Error(f"{path}: tensor '{key}' holds '{k}', which '{entries[k].key}' "
+                                  f"({entries[k].file.name}) holds too")
+                entries[k] = entry
     return Checkpoint(directory, listing, stored, entries)
 
 
@@ -213,6 +315,12 @@ def check_scale(name: str, e: Entry, t: torch.Tensor) -> None:
         raise K3Error(f"{e.file}: tensor '{e.key}'{where} holds the MXFP4 NaN scale 0xFF")
 
 
+def check_finite(name: str, e: Entry, t: torch.Tensor) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        where = f" (as '{name}')" if name != e.key else ""
+        raise K3Error(f"{e.file}: tensor '{e.key}'{where} holds NaN or Inf")
+
+
 def open_checked(directory: str | Path) -> tuple[K3Model, Checkpoint]:
     """The model a checkpoint's config describes (on the meta device) and the checkpoint's tensors,
     checked against it by name, shape and dtype (headers only, no data read)."""
@@ -232,6 +340,7 @@ def read_entries(ckpt: Checkpoint, names: Iterable[str], what: str) -> Iterator[
             e = ckpt.entries[name]
             t = e.read(handles[e.file])
             check_scale(name, e, t)
+            check_finite(name, e, t)
             yield name, t
 
 
@@ -244,6 +353,8 @@ def check_scales(ckpt: Checkpoint) -> None:
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32) -> K3Model:
     """Read a checkpoint into a K3Model: float tensors cast to ``dtype`` (the spec's f32 tensors stay
     f32), MXFP4 tensors as stored. Built on the meta device and filled tensor by tensor."""
+    from .accounting import require_memory  # accounting reads this module's stored layouts
+    require_memory(K3Config.from_hf(checkpoint_dir(directory)), dtype, "load the checkpoint")
     model, ckpt = open_checked(directory)
     loaded = {}
     for name, t in read_entries(ckpt, sorted(ckpt.entries), "loading"):

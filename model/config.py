@@ -1,13 +1,16 @@
-"""K3Config: every hyperparameter of a K3 / Kimi Linear text model (spec §0).
+"""K3Config: every hyperparameter of a K3 / Kimi Linear text model (docs/model.md §0).
 
 Field names follow the published ``config.json``. The layer plan (which layers are KDA or MLA,
 dense or MoE, where AttnRes blocks close) is derived from a few fields, never hand-listed.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,86 @@ class ConfigError(K3Error, ValueError):
 
 MODEL_TYPES = ("kimi_k3", "kimi_linear")
 ACTIVATIONS = ("situ", "silu")
+LAYOUTS = ("k3c", "k3_release", "kimi_linear")
+K3C_ARCHITECTURE = "K3Model"   # ``architectures`` of the config.json k3c writes: K3Model's own tensor names
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+MXFP4_GROUP = 32               # OCP MX: one E8M0 scale per 32 elements (docs/model.md §5)
+# The published quantization block (docs/model.md §8), also k3c's own for MXFP4 experts.
+MXFP4_QUANTIZATION = {
+    "quant_method": "compressed-tensors", "format": MXFP4_FORMAT,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": MXFP4_GROUP,
+                    "symmetric": True, "scale_dtype": "torch.uint8", "dynamic": False}}},
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+               "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+}
+# transformers' and the Hub's other spellings of K3Config fields
+ALIASES = {
+    "num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
+    "n_shared_experts": "num_shared_experts", "norm_topk_prob": "moe_renormalize",
+    "n_group": "num_expert_group", "model_max_length": "max_position_embeddings",
+}
+# Keys k3c reads but does not keep: the values k3c computes; any other value is refused.
+FIXED = {
+    "num_nextn_predict_layers": (0, None),   # multi-token-prediction layers: k3c runs none
+    "topk_method": ("noaux_tc",),            # sigmoid scores, top-k on score + correction bias
+    "moe_layer_freq": (1, None),             # every layer after first_k_dense_replace is MoE
+    "num_key_value_heads": None,             # MLA: checked against num_attention_heads
+    "attention_bias": (False, None),
+    "pretraining_tp": (1, None),
+    "use_grouped_topk": None,                # checked with num_expert_group
+}
+# Keys that cannot change the text model's math, accepted knowingly and ignored: token ids, dtypes,
+# provenance, generation and output switches of transformers' PretrainedConfig; rope_* (MLA uses
+# NoPE: docs/model.md §2 step 4); head_dim / qk_head_dim (derived from the MLA fields); dropout (inference).
+IGNORED = frozenset({
+    "architectures", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype",
+    "transformers_version", "use_cache", "_name_or_path", "id2label", "label2id", "problem_type",
+    "return_dict", "output_attentions", "output_hidden_states", "output_router_logits",
+    "chunk_size_feed_forward", "is_encoder_decoder", "rope_theta", "rope_scaling", "rope_parameters",
+    "head_dim", "qk_head_dim", "attention_dropout", "media_placeholder_token_id", "vision_config",
+    "text_config", "model_type",
+})
+KDA_TYPES = {"num_heads": "int", "head_dim": "int", "short_conv_kernel_size": "int",
+             "gate_lower_bound": "float | None", "use_full_rank_gate": "bool",
+             "full_attn_layers": "list[int]", "kda_layers": "list[int]"}
+KDA_OPTIONAL = ("gate_lower_bound", "use_full_rank_gate", "kda_layers")
+WRAPPER_KEYS = IGNORED | {"quantization_config", "tie_word_embeddings"}   # K3 release top level (docs/model.md §8)
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)   # JSON's true/false are not numbers here
+
+
+KIND_CHECKS = {
+    "None": lambda v: v is None,
+    "int": _is_int,
+    "float": lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "dict": lambda v: isinstance(v, dict),
+    "list[int]": lambda v: isinstance(v, list) and all(map(_is_int, v)),
+}
+TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+              "None": "null", "dict": "an object", "list[int]": "a list of integers"}
+
+
+def _kinds(annotation: str) -> list[str]:
+    """``"dict[str, Any] | None"`` -> ["dict", "None"]."""
+    return [k.strip().split("[str")[0] for k in annotation.split("|")]
+
+
+def need_type(name: str, value: Any, annotation: str) -> None:
+    """A JSON value must have the type a field's annotation names; the error names field and type."""
+    if not any(KIND_CHECKS[k](value) for k in _kinds(annotation)):
+        want = " or ".join(TYPE_WORDS[k] for k in _kinds(annotation))
+        raise ConfigError(f"config field '{name}': expected {want}, got {json.dumps(value, default=repr)}")
+
+
+def refuse_unknown(raw: dict[str, Any], known: set[str] | frozenset[str]) -> None:
+    """A key k3c does not know could change the model's math: refused, never ignored."""
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"config field '{unknown[0]}': not a key k3c knows (it could change the model's math)")
 
 
 def every_fourth_and_last(num_layers: int) -> list[int]:
@@ -77,14 +160,15 @@ class K3Config:
     activation_situ_linear_beta: float = 25.0
     # Block Attention Residuals; None means plain residuals (Kimi Linear)
     attn_res_block_size: int | None = 12
-    quantization_config: dict[str, Any] | None = field(default_factory=lambda: {
-        "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "group_size": 32,
-        "targets": ["routed_experts"],
-    })
+    quantization_config: dict[str, Any] | None = field(default_factory=lambda: copy.deepcopy(MXFP4_QUANTIZATION))
+    # How a checkpoint of this config names and stores its tensors (LAYOUTS): "k3c" (K3Model's names,
+    # k3c's dtypes), "k3_release" (the K3 release: K3Model names under ``language_model.``, docs/model.md §8),
+    # "kimi_linear" (the Kimi Linear Hub / transformers names, kimi_linear.py). Not part of the model:
+    # left out of ``to_dict`` and ``hash``.
+    layout: str = field(default="k3c", compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
-
     # ---- derived layer plan -------------------------------------------------------------
     @property
     def kda(self) -> dict[str, Any]:
@@ -122,7 +206,7 @@ class K3Config:
         return self.attn_res_block_size is not None
 
     def closes_block(self, layer: int) -> bool:
-        """AttnRes: layer l appends the running partial sum to the bank when l % B == 0 (spec §3)."""
+        """AttnRes: layer l appends the running partial sum to the bank when l % B == 0 (docs/model.md §3)."""
         return self.uses_attn_res and layer % self.attn_res_block_size == 0
 
     @property
@@ -140,8 +224,19 @@ class K3Config:
 
     @property
     def experts_mxfp4(self) -> bool:
-        q = self.quantization_config or {}
-        return "mxfp4" in str(q.get("format", "")) or q.get("quant_method") == "mxfp4"
+        """Routed experts stored MXFP4 (``quantization_config`` checked by ``validate``)."""
+        return self.quantization_config is not None
+
+    @property
+    def quantization_ignore(self) -> list[str]:
+        """compressed-tensors ``ignore``: module names, or ``re:`` regexes, that stay unquantised."""
+        return list((self.quantization_config or {}).get("ignore", []))
+
+    def quantization_ignores(self, tensor: str) -> bool:
+        """Whether ``ignore`` names the module a tensor belongs to (``X.weight_packed`` -> ``X``)."""
+        module = tensor.rsplit(".", 1)[0]
+        return any(re.fullmatch(p[3:], module) if p.startswith("re:") else p == module
+                   for p in self.quantization_ignore)
 
     # ---- validation ---------------------------------------------------------------------
     def validate(self) -> None:
@@ -149,16 +244,25 @@ class K3Config:
             if not ok:
                 raise ConfigError(f"config field '{name}': {why}")
 
+        for f in dataclasses.fields(self):
+            need_type(f.name, getattr(self, f.name), f.type)
         need(self.model_type in MODEL_TYPES, "model_type",
              f"unknown model_type {self.model_type!r} (supported: {', '.join(MODEL_TYPES)})")
+        need(self.layout in LAYOUTS, "layout", f"unknown layout {self.layout!r}")
         for name in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
                      "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_experts",
-                     "num_experts_per_token", "moe_intermediate_size", "intermediate_size"):
+                     "num_experts_per_token", "moe_intermediate_size", "intermediate_size",
+                     "max_position_embeddings", "q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size"):
             v = getattr(self, name)
-            need(isinstance(v, int) and v > 0, name, f"must be a positive integer, got {v!r}")
+            need(v is None or v > 0, name, f"must be a positive integer, got {v!r}")
+        for name in ("rms_norm_eps", "routed_scaling_factor", "activation_situ_beta", "activation_situ_linear_beta"):
+            need(getattr(self, name) > 0, name, f"must be a positive number, got {getattr(self, name)!r}")
         need(self.qk_rope_head_dim >= 0, "qk_rope_head_dim", "must be >= 0")
         need(self.hidden_act in ACTIVATIONS, "hidden_act",
              f"unknown activation {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
+        need(self.mla_use_nope, "mla_use_nope", "k3c implements MLA without positional encoding only (true)")
+        need(self.latent_moe_use_norm, "latent_moe_use_norm",
+             "k3c always applies routed_expert_norm after the expert combine (true)")
         need(self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
              f"top-k {self.num_experts_per_token} exceeds num_experts {self.num_experts}")
         need(0 <= self.first_k_dense_replace <= self.num_hidden_layers, "first_k_dense_replace",
@@ -168,15 +272,18 @@ class K3Config:
         need(self.num_expert_group == 1 and self.topk_group == 1, "num_expert_group",
              "only one expert group is supported")
         need(self.num_shared_experts >= 0, "num_shared_experts", "must be >= 0")
-        need(isinstance(self.linear_attn_config, dict), "linear_attn_config", "must be an object")
-        for key in ("num_heads", "head_dim", "short_conv_kernel_size", "full_attn_layers"):
-            need(key in self.kda, f"linear_attn_config.{key}", "missing")
+        for key, kind in KDA_TYPES.items():
+            if key in self.kda:
+                need_type(f"linear_attn_config.{key}", self.kda[key], kind)
+            else:
+                need(key in KDA_OPTIONAL, f"linear_attn_config.{key}", "missing")
+        unknown = sorted(set(self.kda) - set(KDA_TYPES))
+        need(not unknown, f"linear_attn_config.{unknown[0] if unknown else ''}", "not a key k3c knows")
         need(self.kda_heads > 0 and self.kda_head_dim > 0, "linear_attn_config.head_dim",
              "heads and head_dim must be positive")
         need(self.conv_size >= 1, "linear_attn_config.short_conv_kernel_size", "must be >= 1")
         full = list(self.kda["full_attn_layers"])
-        need(all(isinstance(i, int) and 1 <= i <= self.num_hidden_layers for i in full),
-             "linear_attn_config.full_attn_layers",
+        need(all(1 <= i <= self.num_hidden_layers for i in full), "linear_attn_config.full_attn_layers",
              f"entries must be 1-indexed layers in [1, {self.num_hidden_layers}]")
         if "kda_layers" in self.kda:
             kda = set(self.kda["kda_layers"])
@@ -185,22 +292,58 @@ class K3Config:
                  "kda_layers and full_attn_layers must partition layers 1..num_hidden_layers")
         if self.gate_lower_bound is not None:
             need(self.gate_lower_bound < 0, "linear_attn_config.gate_lower_bound", "must be negative")
-        if self.is_latent_moe:
-            need(self.routed_expert_hidden_size > 0, "routed_expert_hidden_size", "must be positive")
-        if self.attn_res_block_size is not None:
-            need(self.attn_res_block_size > 0, "attn_res_block_size", "must be positive")
-        if self.experts_mxfp4:
-            expert_input = "routed_expert_hidden_size" if self.is_latent_moe else "hidden_size"
-            for name, v in (("moe_intermediate_size", self.moe_intermediate_size),
-                            (expert_input, self.expert_input_size)):
-                need(v % 32 == 0, name, f"{v} is not a multiple of the MXFP4 group size 32")
+        if self.quantization_config is not None:
+            self.validate_quantization()
+
+    def validate_quantization(self) -> None:
+        """k3c runs one quantisation: compressed-tensors MXFP4 (docs/model.md §5, §8), group size 32."""
+        q = self.quantization_config
+
+        def need(ok: bool, key: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"config field 'quantization_config.{key}': {why}")
+
+        fmt = q.get("format")
+        need(q.get("quant_method") in ("compressed-tensors", "mxfp4"), "quant_method",
+             f"k3c reads compressed-tensors MXFP4 only, got {q.get('quant_method')!r}")
+        need(fmt in (MXFP4_FORMAT, None) if q.get("quant_method") == "mxfp4" else fmt == MXFP4_FORMAT,
+             "format", f"k3c runs {MXFP4_FORMAT!r} only, got {fmt!r}")
+        groups = q.get("config_groups", {})
+        need(isinstance(groups, dict) and all(isinstance(g, dict) for g in groups.values()), "config_groups",
+             "expected an object of groups")
+        for name, group in groups.items():
+            weights = group.get("weights") or {}
+            need(isinstance(weights, dict), f"config_groups.{name}.weights", "expected an object")
+            size = weights.get("group_size", MXFP4_GROUP)
+            need_type(f"quantization_config.config_groups.{name}.weights.group_size", size, "int")
+            need(size == MXFP4_GROUP, f"config_groups.{name}.weights.group_size",
+                 f"MXFP4 scales groups of {MXFP4_GROUP} elements, got {size}")
+            need(weights.get("num_bits", 4) == 4 and weights.get("type", "float") == "float",
+                 f"config_groups.{name}.weights", "MXFP4 weights are 4-bit floats")
+        if "group_size" in q:
+            need(q["group_size"] == MXFP4_GROUP, "group_size",
+                 f"MXFP4 scales groups of {MXFP4_GROUP}, got {q['group_size']!r}")
+        ignore = q.get("ignore", [])
+        need(isinstance(ignore, list) and all(isinstance(p, str) for p in ignore), "ignore",
+             "expected a list of strings")
+        for p in ignore:
+            try:
+                re.compile(p[3:]) if p.startswith("re:") else None
+            except re.error as e:
+                need(False, "ignore", f"{p!r} is not a regular expression ({e})")
+        expert_input = "routed_expert_hidden_size" if self.is_latent_moe else "hidden_size"
+        for name, v in (("moe_intermediate_size", self.moe_intermediate_size), (expert_input, self.expert_input_size)):
+            if v % MXFP4_GROUP:
+                raise ConfigError(f"config field '{name}': {v} is not a multiple of the MXFP4 group size {MXFP4_GROUP}")
 
     # ---- I/O ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The model's fields (not ``layout``): what ``hash`` covers and the manifest records."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "layout"}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        """The config.json k3c writes beside K3Model's own tensor names (``architectures`` says so)."""
+        return json.dumps({"architectures": [K3C_ARCHITECTURE], **self.to_dict()}, indent=2, sort_keys=True)
 
     @property
     def hash(self) -> str:
@@ -209,32 +352,74 @@ class K3Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "K3Config":
-        if "text_config" in raw:  # multimodal wrapper: the text model's config lies inside
-            raw = raw["text_config"]
+        """A config.json. Dispatch on the top-level ``model_type`` (docs/model.md §8): ``kimi_k3`` is K3, either
+        the release's multimodal wrapper (the text model in ``text_config``, whose own ``model_type``
+        is "kimi_linear") or k3c's flat spelling; ``kimi_linear`` is Kimi Linear (kimi_linear.py). A
+        config k3c wrote (``architectures`` [K3Model]) holds every field in k3c's spelling."""
+        if not isinstance(raw, dict):
+            raise ConfigError("config: expected a JSON object")
         model_type = raw.get("model_type", "kimi_k3")
+        if raw.get("architectures") == [K3C_ARCHITECTURE]:
+            return cls._from_fields(raw, model_type, "k3c")
+        if model_type == "kimi_k3" and "text_config" in raw:
+            text = raw["text_config"]
+            need_type("text_config", text, "dict")
+            refuse_unknown(raw, WRAPPER_KEYS)
+            quant = [q for q in (raw.get("quantization_config"), text.get("quantization_config")) if q is not None]
+            if len(quant) == 2 and quant[0] != quant[1]:
+                raise ConfigError("config field 'quantization_config': the top level and text_config disagree")
+            if raw.get("tie_word_embeddings", False) != text.get("tie_word_embeddings", False):
+                raise ConfigError("config field 'tie_word_embeddings': the top level and text_config disagree")
+            return cls._from_fields({**text, "quantization_config": quant[0] if quant else None},
+                                    model_type, "k3_release")
         if model_type == "kimi_linear":
             from .kimi_linear import k3_config_fields  # kimi_linear imports this module
-            raw = k3_config_fields(raw)
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in raw.items() if k in names}
-        kwargs["model_type"] = model_type
-        try:
-            return cls(**kwargs)
-        except TypeError as e:
-            raise ConfigError(f"config: {e}") from None
+            return cls._from_fields(k3_config_fields(raw), model_type, "kimi_linear")
+        return cls._from_fields(raw, model_type, "k3c")
+
+    @classmethod
+    def _from_fields(cls, raw: dict[str, Any], model_type: Any, layout: str) -> "K3Config":
+        """K3Config from a dict of its fields (aliases allowed), after the key checks: a key k3c
+        reads but does not keep must hold the value k3c computes (FIXED), a key k3c does not know
+        is refused unless it cannot change the math (IGNORED)."""
+        need_type("model_type", model_type, "str")
+        raw = dict(raw)
+        for alias, name in ALIASES.items():
+            if alias in raw:
+                value = raw.pop(alias)
+                raw.setdefault(name, value)
+        names = {f.name for f in dataclasses.fields(cls)} - {"layout"}
+        refuse_unknown(raw, names | FIXED.keys() | IGNORED)
+        for key, value in raw.items():
+            if key in FIXED and FIXED[key] is not None and not any(
+                    type(value) is type(v) and value == v for v in FIXED[key]):
+                allowed = " or ".join(json.dumps(v) for v in FIXED[key])
+                raise ConfigError(f"config field '{key}': k3c implements {allowed} only, got {json.dumps(value)}")
+        kv_heads = raw.get("num_key_value_heads")
+        if kv_heads is not None and kv_heads != raw.get("num_attention_heads", cls.num_attention_heads):
+            raise ConfigError(f"config field 'num_key_value_heads': must equal num_attention_heads, got {kv_heads!r}")
+        if raw.get("use_grouped_topk") and (raw.get("num_expert_group", 1), raw.get("topk_group", 1)) != (1, 1):
+            raise ConfigError("config field 'use_grouped_topk': k3c implements one expert group only")
+        kwargs = {k: v for k, v in raw.items() if k in names and k != "model_type"}
+        return cls(**kwargs, model_type=model_type, layout=layout)
 
     @classmethod
     def from_hf(cls, path: str | Path) -> "K3Config":
         """Read ``config.json`` from a checkpoint directory (or the file itself)."""
         p = Path(path)
-        if p.is_dir():
-            p = p / "config.json"
-        if not p.is_file():
-            raise ConfigError(f"config: no config.json at {p}")
         try:
-            raw = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config: {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
+            if p.is_dir():
+                p = p / "config.json"
+            if not p.is_file():
+                raise ConfigError(f"config: no config.json at {p}")
+            text = p.read_text()
+        except OSError as e:
+            raise ConfigError(f"config: cannot read {p} ({e.strerror})") from None
+        try:
+            raw = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            where = f"{e.msg} at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            raise ConfigError(f"config: {p} is not valid JSON ({where})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config: {p} does not hold a JSON object")
         return cls.from_dict(raw)

@@ -1,4 +1,4 @@
-"""Writing checkpoints (spec §0-5): from a model (``save_checkpoint``) or by converting another
+"""Writing checkpoints (docs/model.md §0-5): from a model (``save_checkpoint``) or by converting another
 checkpoint's float routed experts to MXFP4 (``quantize_checkpoint``).
 
 Both stream one tensor at a time into safetensors files laid out byte for byte as safetensors' own
@@ -22,7 +22,7 @@ from ..utils.files import atomic_dir
 from ..errors import K3Error
 from . import mxfp4
 from .checkpoint import (CONFIG_FILE, DTYPE_NAMES, FLOAT_DTYPES, INDEX_FILE, SINGLE_FILE, TORCH_DTYPES,
-                         check_scales, open_checked, progress, stored_dtype)
+                         check_scales, open_checked, progress, read_header, stored_dtype)
 from .config import K3Config
 from .model import K3Model
 from .stacking import to_checkpoint
@@ -152,7 +152,7 @@ def quantized_tensors(f, header: Header, report: list[QuantizedTensor]) -> Calla
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path) -> list[QuantizedTensor]:
-    """Convert a checkpoint's float routed experts to MXFP4 (spec §5), one tensor at a time.
+    """Convert a checkpoint's float routed experts to MXFP4 (docs/model.md §5), one tensor at a time.
 
     The input is checked as ``load_checkpoint`` checks it. Files without float experts are copied
     byte for byte, so quantising an MXFP4 checkpoint reproduces it; in the others every other
@@ -165,7 +165,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path) -> list[QuantizedTenso
     file_of: dict[str, str] = {}
     total = 0
     with atomic_dir(dst) as tmp:
-        for path, header in ckpt.stored.items():
+        for path in ckpt.stored:
+            header = read_header(path)   # every tensor of the file, the vision tower's too (docs/model.md §8)
             out = quantized_header(path, header)
             file_of.update(dict.fromkeys(out, path.name))
             if out == header:

@@ -1,6 +1,6 @@
-"""Kimi Delta Attention (spec §1): the gated delta rule with a per-channel decay.
+"""Kimi Delta Attention (docs/model.md §1): the gated delta rule with a per-channel decay.
 
-Read top to bottom, this file is spec §1: the gates, the short convolution, the L2 norm, the
+Read top to bottom, this file is docs/model.md §1: the gates, the short convolution, the L2 norm, the
 recurrence (token by token, the definition), the chunkwise form (what prefill runs), the gated
 output norm, and the layer that strings them together. Shapes: q, k [B, T, H, K]; v [B, T, H, V];
 g [B, T, H, K] (log-decay, fp32); beta [B, T, H]; state S [B, H, K, V] fp32.
@@ -126,7 +126,7 @@ def kda_chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
 
 # ---- the layer -------------------------------------------------------------------------------
 class KimiDeltaAttention(nn.Module):
-    """Projections, short convs, gates and output of one KDA layer (spec §1 steps 1-10)."""
+    """Projections, short convs, gates and output of one KDA layer (docs/model.md §1 steps 1-10)."""
 
     def __init__(self, cfg: K3Config):
         super().__init__()

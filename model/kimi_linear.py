@@ -1,11 +1,12 @@
-"""Kimi Linear checkpoints (``model_type: kimi_linear``) in K3Model (spec §7).
+"""Kimi Linear checkpoints (``model_type: kimi_linear``) in K3Model (docs/model.md §7).
 
 Kimi Linear is the K3 architecture with the softplus decay gate, a low-rank KDA output gate
 (``g_a_proj``/``g_b_proj``), plain residuals, a plain MoE with SwiGLU experts on the full width, and
 MLA without an output gate. transformers' ``KimiLinearForCausalLM`` is the oracle for its semantics.
 
 Config: ``k3_config_fields`` turns a Kimi Linear ``config.json`` (checkpoint or transformers spelling)
-into K3Config fields; everything transformers ignores is pinned to what it computes.
+into K3Config fields; what transformers computes whatever the config says is pinned, and a config
+that says otherwise is refused (never silently run as something else).
 
 Tensors: three spellings of the same weights exist. The official checkpoint (and transformers'
 ``save_pretrained``, which writes it back) already uses K3Model's names, with two differences; the
@@ -28,6 +29,7 @@ Every other name (embeddings, norms, projections, router, shared experts, ``lm_h
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any, Callable
@@ -35,14 +37,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import K3Error
-from .config import ConfigError, K3Config
+from .config import ALIASES, ConfigError, K3Config
 
-# other spellings of K3Config fields (transformers' attribute names; the checkpoint's model_max_length)
-CONFIG_ALIASES = {
-    "num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
-    "n_shared_experts": "num_shared_experts", "norm_topk_prob": "moe_renormalize",
-    "n_group": "num_expert_group", "model_max_length": "max_position_embeddings",
-}
 # top-level transformers fields -> linear_attn_config keys (the sub-dict wins, as in transformers)
 KDA_FIELDS = {"linear_num_heads": "num_heads", "linear_head_dim": "head_dim",
               "linear_conv_kernel_dim": "short_conv_kernel_size"}
@@ -85,26 +81,30 @@ def _first_dense(raw: dict[str, Any], n: int) -> int:
 
 
 def k3_config_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """A Kimi Linear ``config.json`` -> the same dict in K3Config's terms (spec §7)."""
+    """A Kimi Linear ``config.json`` -> the same dict in K3Config's terms (docs/model.md §7). A field k3c
+    pins to what transformers computes must not say otherwise (PINNED: refused, never ignored)."""
     out = dict(raw)
-    for alias, field in CONFIG_ALIASES.items():
+    for alias, field in ALIASES.items():
         if alias in out:
             out.setdefault(field, out.pop(alias))
     n = out.get("num_hidden_layers")
-    if not isinstance(n, int) or n < 1:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ConfigError(f"config field 'num_hidden_layers': must be a positive integer, got {n!r}")
-    lac = {**{k: raw[f] for f, k in KDA_FIELDS.items() if f in raw}, **(raw.get("linear_attn_config") or {})}
+    lac = raw.get("linear_attn_config") or {}
+    if not isinstance(lac, dict):
+        raise ConfigError(f"config field 'linear_attn_config': expected an object, got {json.dumps(lac)}")
+    lac = {**{k: raw[f] for f, k in KDA_FIELDS.items() if f in raw}, **lac}
+    for name, pinned in (*PINNED.items(), *((f"linear_attn_config.{k}", v) for k, v in PINNED_KDA.items())):
+        where = lac if name.startswith("linear_attn_config.") else raw
+        key = name.removeprefix("linear_attn_config.")
+        if where.get(key, pinned) != pinned:
+            raise ConfigError(f"config field '{name}': Kimi Linear has {json.dumps(pinned)}, "
+                              f"got {json.dumps(where[key])}")
     lac.update(PINNED_KDA, **_layer_plan(raw, lac, n))
     out.update(PINNED, linear_attn_config=lac, first_k_dense_replace=_first_dense(raw, n))
     out.setdefault("quantization_config", None)
-
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"config field 'hidden_act': Kimi Linear uses 'silu', got {raw['hidden_act']!r}")
-    kv_heads = raw.get("num_key_value_heads")
-    if kv_heads is not None and kv_heads != out.get("num_attention_heads"):
-        raise ConfigError(f"config field 'num_key_value_heads': must equal num_attention_heads, got {kv_heads!r}")
-    if raw.get("attention_bias"):
-        raise ConfigError("config field 'attention_bias': MLA projections with bias are not supported")
+    for key in ("layer_types", "mlp_layer_types", *KDA_FIELDS):
+        out.pop(key, None)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention with no positional encoding (spec §2).
+"""Gated Multi-head Latent Attention with no positional encoding (docs/model.md §2).
 
 The cache holds only the latent [c_n | k_pe] (kv_lora_rank + qk_rope_head_dim numbers per token);
 its length is the number of tokens seen, so decode cost grows with the context actually used.

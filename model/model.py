@@ -1,6 +1,6 @@
-"""K3Model: the eager PyTorch reference (spec §1-4), with explicit prefill / decode state.
+"""K3Model: the eager PyTorch reference (docs/model.md §1-4), with explicit prefill / decode state.
 
-Forward, per decoder layer l (spec §3), with p the running partial sum and B the bank of blocks:
+Forward, per decoder layer l (docs/model.md §3), with p the running partial sum and B the bank of blocks:
     x = AttnRes(B, p) if B else p;  if l % block == 0: B.append(p), p = None
     p = p + attn(input_layernorm(x));  x = AttnRes(B, p);  p = p + mlp(post_attention_layernorm(x))
 Kimi Linear has plain residuals instead: h = h + attn(norm(h)); h = h + mlp(norm(h)).
@@ -77,7 +77,7 @@ class DecoderLayer(nn.Module):
 
 
 class K3Model(nn.Module):
-    """``model.*`` tensors and ``lm_head``; names match the checkpoint (spec §1-4)."""
+    """``model.*`` tensors and ``lm_head``; names match the checkpoint (docs/model.md §1-4)."""
 
     def __init__(self, cfg: K3Config):
         super().__init__()

@@ -1,4 +1,4 @@
-"""SiTU-GLU, the dense MLP, the sigmoid router and Stable LatentMoE (spec §4).
+"""SiTU-GLU, the dense MLP, the sigmoid router and Stable LatentMoE (docs/model.md §4).
 
 K3: z = down(x) into the latent; y = RMSNorm(sum_i w_i e_i(z)); out = up(y) + shared(x).
 Kimi Linear (no latent): out = sum_i w_i e_i(x) + shared(x), SiLU-GLU experts.
@@ -100,7 +100,10 @@ def dense_expert_mix(cfg: K3Config, z, idx, w, W1, W3, W2):
     """sum_i w_i W2_e act(W1_e z, W3_e z) over every expert e, with w = 0 off the top-k: the
     static-shape form (compute grows with the number of experts). W* [E, out, in] float."""
     z, W1, W2, W3 = (upcast(t) for t in (z, W1, W2, W3))
-    dense_w = z.new_zeros(z.shape[0], W1.shape[0]).scatter(-1, idx, w)
+    # w spread over all experts by comparison, not scatter: torch-mlir's scatter lowering crashes
+    # iree-compile 3.13 (LLVM "out of memory" in input conversion)
+    experts = torch.arange(W1.shape[0], device=z.device)
+    dense_w = ((idx.unsqueeze(-1) == experts).to(w.dtype) * w.unsqueeze(-1)).sum(1)
     h = glu(cfg, torch.einsum("nd,eid->nei", z, W1), torch.einsum("nd,eid->nei", z, W3))
     return torch.einsum("nei,edi,ne->nd", h, W2, dense_w)
 

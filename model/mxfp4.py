@@ -1,4 +1,4 @@
-"""MXFP4 (OCP Microscaling): E2M1 elements, E8M0 scales, groups of 32 along the input dim (spec §5).
+"""MXFP4 (OCP Microscaling): E2M1 elements, E8M0 scales, groups of 32 along the input dim (docs/model.md §5).
 
 K3 layout (compressed-tensors ``mxfp4-pack-quantized``): ``weight_packed`` u8 [out, in/2] holds
 element 2j in the low nibble and 2j+1 in the high nibble; ``weight_scale`` u8 [out, in/32] holds

@@ -1,4 +1,4 @@
-"""RMSNorm, computed in fp32 (spec §1 step 9, §2, §3, §4), and the upcast every fp32 step uses."""
+"""RMSNorm, computed in fp32 (docs/model.md §1 step 9, §2, §3, §4), and the upcast every fp32 step uses."""
 from __future__ import annotations
 
 import torch

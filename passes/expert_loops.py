@@ -1,4 +1,4 @@
-"""The two forms of ``torch.k3.mxfp4_moe`` (spec §4-5): a short hand-written ``scf.for`` whose
+"""The two forms of ``torch.k3.mxfp4_moe`` (docs/model.md §4-5): a short hand-written ``scf.for`` whose
 iterations call one traced expert FFN on slices of the stacked expert weights, sliced in place.
 
     by_slot    decode (a static handful of tokens): a loop over the (token, slot) pairs, each

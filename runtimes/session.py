@@ -49,6 +49,7 @@ class Session:
         import iree.runtime as rt
 
         from ..compiler.devices import check_device
+        from ..model.checkpoint import checkpoint_files
         from .readback import read_back
 
         m = bundle.manifest
@@ -62,10 +63,7 @@ class Session:
         except (RuntimeError, ValueError) as e:
             raise K3Error(f"run: cannot open IREE driver {m.target['driver']!r} for {m.target['name']}: {e}") from None
         index = rt.ParameterIndex()
-        files = sorted(bundle.checkpoint_dir.glob("*.safetensors"))
-        if not files:
-            raise K3Error(f"run: no .safetensors files in {bundle.checkpoint_dir}")
-        for f in files:
+        for f in checkpoint_files(bundle.checkpoint_dir):
             index.load(str(f))
         params = rt.create_io_parameters_module(self.config.vm_instance, index.create_provider(scope="model"))
         module = rt.VmModule.copy_buffer(self.config.vm_instance, bundle.module_path.read_bytes())

@@ -1,4 +1,4 @@
-"""`k3c inspect` (spec §6): the published K3 figures, k3-tiny counted by hand from the spec's tensor
+"""`k3c inspect` (docs/model.md §6): the published K3 figures, k3-tiny counted by hand from the spec's tensor
 tables, the one-layer-per-kind shortcut against a walk of the whole model, and bad --config input."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from k3c.cli import main
 from k3c.model import K3Config, K3Model
 from k3c.model.accounting import account
 
-# spec §6, and §1 / §5 for the byte figures
+# docs/model.md §6, and §1 / §5 for the byte figures
 K3_FIGURES = {
     "params_total": 2_779_484_478_208,
     "routed_experts": 82_432,

@@ -1,4 +1,4 @@
-"""Block Attention Residuals (spec §3): the direct softmax, its online-softmax form, and where
+"""Block Attention Residuals (docs/model.md §3): the direct softmax, its online-softmax form, and where
 blocks close, checked on the config and through the model."""
 from __future__ import annotations
 

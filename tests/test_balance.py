@@ -1,4 +1,4 @@
-"""Quantile Balancing and the sign rule (spec §4): hand-derived updates on tiny cases, QB balancing
+"""Quantile Balancing and the sign rule (docs/model.md §4): hand-derived updates on tiny cases, QB balancing
 a skewed 896-expert router within 3 updates, and the `k3c balance-demo` command."""
 from __future__ import annotations
 

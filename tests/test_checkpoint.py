@@ -1,9 +1,9 @@
-"""Checkpoint I/O (spec §0-5): round trips, sharding, determinism, the gpt-oss expert layout,
+"""Checkpoint I/O (docs/model.md §0-5): round trips, sharding, determinism, the gpt-oss expert layout,
 quantisation, and a one-line error for each kind of bad checkpoint.
 
 References independent of the code under test: safetensors' own writer and reader, transformers'
-gpt-oss MXFP4 dequantiser, the dtype table of spec §1 and §4, and the MXFP4 rounding bound of
-spec §5 derived by hand.
+gpt-oss MXFP4 dequantiser, the dtype table of docs/model.md §1 and §4, and the MXFP4 rounding bound of
+docs/model.md §5 derived by hand.
 """
 import dataclasses
 import hashlib
@@ -28,7 +28,7 @@ from k3c.model.convert import quantize_checkpoint, save_checkpoint, write_safete
 from k3c.model.init import init_weights
 
 TOKENS = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
-# spec §1 and §4: stored in f32; routed experts u8 (MXFP4); everything else bf16
+# docs/model.md §1 and §4: stored in f32; routed experts u8 (MXFP4); everything else bf16
 SPEC_F32 = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "dt_bias", "A_log", "o_norm.weight",
             "e_score_correction_bias")
 SHARD = 100_000
@@ -211,7 +211,7 @@ def test_quantize_converts_float_experts_within_the_mxfp4_bound(float_ckpt, tmp_
     for k in sorted(experts):
         w = src[k].float()
         packed, scale = dst[k + "_packed"], dst[k + "_scale"]
-        # spec §5: shared exponent floor(log2 amax) - 2 per group of 32 along the input dim
+        # docs/model.md §5: shared exponent floor(log2 amax) - 2 per group of 32 along the input dim
         amax = w.unflatten(-1, (-1, 32)).abs().amax(-1)
         assert torch.equal(scale.long(), torch.floor(torch.log2(amax)).long() - 2 + 127), k
         s = torch.exp2(scale.float() - 127).repeat_interleave(32, dim=-1)

@@ -100,7 +100,7 @@ def test_one_module_serves_two_checkpoints(tiny_bundle, k3c_cache, tmp_path):
 def test_weights_are_named_parameters(tiny_bundle):
     """Every checkpoint tensor the model reads is named in the module (a parameter key), and no
     64-byte run of any sizeable tensor, as stored or widened to fp32, is in it (no weight became a
-    constant). Layer 0's self_attention_res_* are never read: its bank is empty, x = p (spec §3)."""
+    constant). Layer 0's self_attention_res_* are never read: its bank is empty, x = p (docs/model.md §3)."""
     vmfb = tiny_bundle.module_path.read_bytes()
     unread = {f"model.layers.0.self_attention_res_{part}.weight" for part in ("proj", "norm")}
     with safe_open(str(tiny_bundle.checkpoint_dir / "model.safetensors"), "pt") as f:

@@ -1,7 +1,7 @@
-"""Kimi Delta Attention (spec §1) against fla-core's naive references and against itself.
+"""Kimi Delta Attention (docs/model.md §1) against fla-core's naive references and against itself.
 
 fla's ``naive_recurrent_kda`` / ``naive_chunk_kda`` take q unscaled and apply ``scale`` themselves;
-ours take q already scaled by K^-0.5 (spec §1 step 7), so every comparison feeds fla the
+ours take q already scaled by K^-0.5 (docs/model.md §1 step 7), so every comparison feeds fla the
 L2-normalised q and scale=K^-0.5.
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ def test_chunked_matches_fla_naive_chunk(fla_naive, fla_gates):
 @pytest.mark.parametrize("drive", ["g_at_floor", "gate_saturated"])
 def test_chunk_form_finite_at_gate_floor(drive):
     """Over 4096 tokens the in-chunk cumsum reaches 64 * -5 = -320: exp(+320) would overflow fp32,
-    so the chunk form must never factor exp(G_i - G_j) as exp(G_i) exp(-G_j) (spec §1 numerics)."""
+    so the chunk form must never factor exp(G_i - G_j) as exp(G_i) exp(-G_j) (docs/model.md §1 numerics)."""
     T, h, d = 4096, 1, 8
     gen = torch.Generator().manual_seed(3)
     q = unit(torch.randn(1, T, h, d, generator=gen)) * d ** -0.5

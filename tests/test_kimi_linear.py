@@ -1,4 +1,4 @@
-"""Kimi Linear checkpoints in K3Model against transformers' KimiLinearForCausalLM (spec §7).
+"""Kimi Linear checkpoints in K3Model against transformers' KimiLinearForCausalLM (docs/model.md §7).
 
 transformers builds a tiny random model in fp32 (its pure-PyTorch KDA and conv paths on CPU) and saves
 it; k3c reads the directory through K3Config.from_hf and load_checkpoint and must reproduce its logits

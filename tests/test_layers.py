@@ -88,7 +88,6 @@ def test_command_exits_1_and_prints_each_import(tmp_path):
     assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
 
 
-@pytest.mark.xfail(strict=False, reason="layout lands at merge")
 def test_the_package_follows_its_layers():
     r = subprocess.run([sys.executable, "-m", "k3c.tools.layers"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

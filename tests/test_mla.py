@@ -1,4 +1,4 @@
-"""Gated MLA with no positional encoding (spec §2): absorbed decode == naive attention == a
+"""Gated MLA with no positional encoding (docs/model.md §2): absorbed decode == naive attention == a
 reference written out per head; NoPE makes attention blind to the order of earlier tokens."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 
 def reference_attention(mla, q_nope, q_pe, cache):
-    """Spec §2 literally: key_h = [W_UK,h c ; k_pe], value_h = W_UV,h c, scores / sqrt(nope + rope),
+    """docs/model.md §2 literally: key_h = [W_UK,h c ; k_pe], value_h = W_UV,h c, scores / sqrt(nope + rope),
     query i at absolute position L - T + i sees cache rows 0..L - T + i."""
     B, T, H, _ = q_nope.shape
     L = cache.shape[1]

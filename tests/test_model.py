@@ -1,4 +1,4 @@
-"""K3Model (spec §1-4): decode continues a prefill exactly; configs validate and presets hold the
+"""K3Model (docs/model.md §1-4): decode continues a prefill exactly; configs validate and presets hold the
 layer plans the spec and CI rely on."""
 from __future__ import annotations
 

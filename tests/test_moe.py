@@ -1,4 +1,4 @@
-"""SiTU-GLU and the sigmoid router (spec §4)."""
+"""SiTU-GLU and the sigmoid router (docs/model.md §4)."""
 from __future__ import annotations
 
 import math

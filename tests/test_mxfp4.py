@@ -1,4 +1,4 @@
-"""MXFP4 (spec §5): the E2M1 table, nibble order, OCP quantisation, and the k3::mxfp4_moe op
+"""MXFP4 (docs/model.md §5): the E2M1 table, nibble order, OCP quantisation, and the k3::mxfp4_moe op
 against a dense computation written out here."""
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ from test_compiled_ops import K, expert_weights, fla_recurrent, kda_inputs, moe,
 from torch.export import Dim, export
 
 from k3c.model import K3Config  # registers torch.ops.k3.*
-from k3c.runtimes import device
+from k3c.compiler import devices as device
+from k3c.runtimes.readback import read_back
 
 K3C = Path(sys.executable).with_name("k3c")  # the console script installed beside this interpreter
 TOKENS = [1, 255, 257, 600]
@@ -54,7 +55,7 @@ def compiled(op: str, spec: str, dynamic: bool):
     from iree.compiler.extras.fx_importer import FxImporter
 
     from k3c.passes.pipeline import Pipeline
-    from k3c.runtimes.targets import compile_mlir, parse_target
+    from k3c.compiler.targets import compile_mlir, parse_target
 
     target = parse_target(spec)
     T = Dim("T", min=1, max=1024)
@@ -81,7 +82,7 @@ def compiled(op: str, spec: str, dynamic: bool):
 
     def run(*arrays):
         out = main(*(a if isinstance(a, rt.DeviceArray) else np.ascontiguousarray(a) for a in arrays))
-        return tuple(device.read_back(o) for o in out) if isinstance(out, (tuple, list)) else device.read_back(out)
+        return tuple(read_back(o) for o in out) if isinstance(out, (tuple, list)) else read_back(out)
 
     return run, main, target.driver
 
@@ -109,11 +110,11 @@ def test_kda_step_as_shipped(spec, fla_naive):
         S, outs = S0.numpy(), []
         for t in range(T):
             o, S = main(*(np.ascontiguousarray(x[:, t:t + 1].numpy()) for x in (qs, k, v, g, beta)), S)
-            outs.append(device.read_back(o))
+            outs.append(read_back(o))
         o_ref, S_ref = fla_recurrent(fla_naive, q, k, v, g, beta, S0)
         np.testing.assert_allclose(np.concatenate(outs, axis=1), o_ref, rtol=0, atol=TOLERANCE[driver],
                                    err_msg=f"o over {T} steps")
-        np.testing.assert_allclose(device.read_back(S), S_ref, rtol=0, atol=TOLERANCE[driver],
+        np.testing.assert_allclose(read_back(S), S_ref, rtol=0, atol=TOLERANCE[driver],
                                    err_msg=f"S after {T} steps")
 
 
@@ -160,8 +161,8 @@ def test_per_layer_names_the_layer_a_fault_starts_in(tiny_bundle):
     """The compiled residual streams with layer 3 onwards shifted by 1e-3: layer 3 is the first
     divergent one, at an error of 1e-3 within rounding."""
     from k3c.runtimes.session import Session
-    from k3c.runtimes.validate import TOLERANCE as VALIDATE_TOLERANCE
-    from k3c.runtimes.validate import first_divergent, layer_errors
+    from k3c.interface.validate import TOLERANCE as VALIDATE_TOLERANCE
+    from k3c.interface.validate import first_divergent, layer_errors
 
     prompt = np.load(tiny_bundle.reference_path)["prompt_ids"]
     _, hidden = Session(tiny_bundle).prefill(prompt)
