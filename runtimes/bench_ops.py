@@ -186,6 +186,6 @@ def moe_module(form: str, act: tuple[str, float, float], token: list[np.ndarray]
         k = token[1].shape[1]
         types = [TensorType((1, L), "f32"), TensorType((1, k), "i64"), TensorType((1, k), "f32")]
         types += [TensorType(tuple(w.shape), "bf16") for w in weights]
-        return standalone(expert_loops.by_slot("main", types, bf16_ffn(*act)), "main")
+        return standalone(expert_loops.by_slot("main", types, expert_loops.traced_slot(bf16_ffn(*act))), "main")
     spec = {"E": E, "k": token[1].shape[1], "L": L, "I": I, "act": list(act)}
     return compile_cached(f"moe-{form}", spec, make, target, log)
