@@ -8,7 +8,7 @@ from functools import partial
 from iree.compiler import ir
 
 from ..errors import K3Error
-from . import expert_loops, lowerings
+from . import causal_attention, expert_loops, lowerings
 from .rewrite import custom_ops, lower_custom_op
 
 
@@ -40,6 +40,8 @@ class Pipeline:
         Rewrite("torch.k3.kda_step", lowerings.kda_step, "recurrent KDA step for decode"),
         Rewrite("torch.k3.mxfp4_moe", lowerings.mxfp4_moe,
                 "MXFP4 experts one at a time, sliced in place: loop over picked slots / over experts"),
+        Rewrite("torch.k3.causal_attention", causal_attention.causal_attention,
+                f"MLA prefill attention: a loop over {causal_attention.BLOCK}-row query blocks, keys up to the block"),
     ])
 
     @classmethod

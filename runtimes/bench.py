@@ -38,6 +38,7 @@ from ..artifacts.build import build_bundle, compile_model, export_cached, stored
 from ..artifacts.bundle import Bundle, open_bundle
 from ..errors import K3Error
 from ..model import K3Config, K3Model
+from ..model.accounting import account
 from ..model.checkpoint import load_checkpoint, stored_dtype
 from ..model.config import every_fourth_and_last
 from ..model.convert import save_checkpoint
@@ -177,19 +178,43 @@ def synthetic_state(model: K3Model, cached: int, seed: int = 0) -> K3State:
 
 
 # ---- sections -----------------------------------------------------------------------------------
-def bench_decode(compiled: TimedSession, model: K3Model, contexts, rounds: int, log) -> dict:
+def active_weight_bytes(cfg: K3Config) -> int:
+    """Weight bytes a decode token reads, as stored (spec §6): everything but the embedding table
+    (one row is looked up) and the routed experts, plus the top-k experts of each MoE layer."""
+    f = account(cfg)
+    b = f["bytes_by_component"]
+    routed = b.get("routed_experts", 0)
+    picked = (f["params_active_per_token"] - f["params_trunk"]) // max(f["params_per_routed_expert"], 1)
+    return f["bytes_total"] - b.get("embedding", 0) - routed + picked * routed // max(f["routed_experts"], 1)
+
+
+def bench_decode(compiled: TimedSession, model: K3Model, contexts, rounds: int, copy_bytes: int, log) -> dict:
+    """Compiled vs eager per token; at the first and last context (128 and 16k in the full run) also
+    a large copy in the same rounds, for the decode roofline fraction: (active weight bytes /
+    compiled time) / copy bandwidth (read + write)."""
     token = np.array([[1]], dtype=np.int64)
+    active = active_weight_bytes(model.cfg)
+    src = np.ones(copy_bytes // 8)
+    dst = np.empty_like(src)
     rows = []
     for n in contexts:
         state = synthetic_state(model, n - 1)
         on_device = compiled.on_device(state)
+        cases = {"eager": lambda: model.decode(torch.from_numpy(token), state),
+                 "compiled": lambda: compiled.decode(token, on_device)}
+        if n in (contexts[0], contexts[-1]):
+            cases["copy"] = lambda: np.copyto(dst, src)
         with torch.no_grad():
-            times = interleaved({"eager": lambda: model.decode(torch.from_numpy(token), state),
-                                 "compiled": lambda: compiled.decode(token, on_device)}, rounds)
+            times = interleaved(cases, rounds)
         rows.append({"context": n, "eager_ms": ms(times["eager"]), "compiled_ms": ms(times["compiled"]),
                      "speedup": ratio(times, "eager", "compiled")})
+        if "copy" in times:
+            rows[-1].update(copy_GBps=2 * src.nbytes / statistics.median(times["copy"]) / 1e9,
+                            weight_GBps=active / statistics.median(times["compiled"]) / 1e9,
+                            roofline_fraction=ratio(times, "copy", "compiled") * active / (2 * src.nbytes))
         log(f"decode at context {n}: {rows[-1]['compiled_ms']:.1f} ms compiled, {rows[-1]['eager_ms']:.1f} ms eager")
-    return {"state": "synthesized random state with context - 1 cached tokens", "rows": rows}
+    return {"state": "synthesized random state with context - 1 cached tokens", "active_weight_bytes": active,
+            "rows": rows}
 
 
 def bench_prefill(compiled: TimedSession, model: K3Model, lengths, rounds: int, log) -> dict:
@@ -362,7 +387,7 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
         t0 = time.perf_counter()
         log(f"bench {name} ...")
         if name == "decode":
-            out[name] = bench_decode(compiled, model, sizes.decode_contexts, sizes.rounds, log)
+            out[name] = bench_decode(compiled, model, sizes.decode_contexts, sizes.rounds, sizes.copy_bytes, log)
         elif name == "prefill":
             out[name] = bench_prefill(compiled, model, sizes.prefill_tokens, sizes.slow_rounds, log)
         elif name == "kda":
