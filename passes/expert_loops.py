@@ -182,7 +182,7 @@ def mxfp4_moe(sym: str, ins: list[TensorType], consts: list) -> list[str]:
     return by_slot(sym, ins, traced_slot(_ffn(*consts)))
 
 
-def _streamed_slot(decode: str, tuned: bool, act: str, beta1: float, beta2: float):
+def _streamed_slot(decode: str, act: str, beta1: float, beta2: float):
     """The slot as mxfp4_gemv's matvecs on the packed weights, with the activation and the
     weighted add traced from PyTorch."""
     def slot(name: str, types: list[TensorType]) -> list[str]:
@@ -191,16 +191,16 @@ def _streamed_slot(decode: str, tuned: bool, act: str, beta1: float, beta2: floa
         hid = TensorType((1, I), "f32")
         act_fn = trace_to_linalg(lambda g, u: glu_act(act, beta1, beta2, g, u), [hid, hid], name + "_act")
         axpy = trace_to_linalg(lambda a, ws, y: a + ws * y, [row, wt, row], name + "_axpy")
-        return [act_fn, axpy, *mxfp4_gemv.expert_slot(name, name + "_act", name + "_axpy", L, I, decode, tuned)]
+        return [act_fn, axpy, *mxfp4_gemv.expert_slot(name, name + "_act", name + "_axpy", L, I, decode)]
     return slot
 
 
-def mxfp4_moe_streamed(decode: str, tuned: bool):
+def mxfp4_moe_streamed(decode: str):
     """``torch.k3.mxfp4_moe`` for llvm-cpu: decode (by_slot) streams the packed weights through
-    mxfp4_gemv (``decode`` "f16" or "int", ``tuned``: the 16-lane compilation_info); prefill as
-    mxfp4_moe (its matmuls over many rows pay for a dequantised copy)."""
+    mxfp4_gemv (nibble ``decode`` "f16" or "int"); prefill as mxfp4_moe (its matmuls over many
+    rows pay for a dequantised copy)."""
     def generator(sym: str, ins: list[TensorType], consts: list) -> list[str]:
         if ins[0].shape[0] is None:
             return by_expert(sym, ins, _ffn(*consts))
-        return by_slot(sym, ins, _streamed_slot(decode, tuned, *consts))
+        return by_slot(sym, ins, _streamed_slot(decode, *consts))
     return generator

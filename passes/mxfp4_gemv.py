@@ -17,11 +17,11 @@ Decoding a nibble c, two ways (no table: a gather does not vectorise):
   bit stays, exponent and mantissa bits land in the f16's low exponent and top mantissa bits;
   0.5 becomes an f16 subnormal), converted exactly to f32 by one instruction. The 2^14 is
   folded into the activation when it is split.
-- ``int`` (``cpu:x86-64``, no F16C, where an f16 convert is a library call): the f32 pattern
-  ``(c & 7) << 22 | 126 << 23`` is E2M1[c] for codes 2..7 (exponent bits and mantissa bit of E2M1
-  in the f32's low exponent bits and top mantissa bit); codes 0 and 1 give 0.5 and 0.75, mapped
-  to 0 and 0.5 by 2v - 1; the sign bit is or-ed in last. Only normal f32 values on the way, so a
-  flush-to-zero mode cannot change a result.
+- ``int`` (``cpu:x86-64``, no F16C, where an f16 convert is emulated): the bf16 pattern
+  ``(c & 7) << 6 | 126 << 7`` is E2M1[c] for codes 2..7 (exponent and mantissa bits of E2M1 in
+  the bf16's low exponent bits and top mantissa bit); codes 0 and 1 are masked to 0 and 0.5; the
+  sign bit is or-ed in, and the bf16 widened to f32 by a shift. i16 integer ops, normal floats
+  only (IREE flushes subnormals).
 
 Numeric edges (tests/test_perf_mxfp4.py checks them bit for bit against ml_dtypes): the block
 scale is the f32 2^(S - 127) built from its bits: S << 23 for S in [1, 254], 2^-127 (an f32
@@ -42,8 +42,8 @@ from .trace import TensorType
 LANES = 16                       # bytes of a 32-element block = partial sums per row
 F16_FOLD = 16384.0               # 2^14, the f16 decode's offset, carried by the activation
 
-# cpu: lanes on the 16 byte positions, 16 rows per distributed tile, the block loop tiled by 1
-_HOST_CONFIG = ("attrs = {compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
+# lanes on the 16 byte positions, 16 rows per distributed tile, the block loop tiled by 1
+_LANES_CONFIG = ("attrs = {compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
                 "distribution = [16, 16, 0], vector_common_parallel = [1, 16, 0], vector_reduction = [0, 0, 1]>, "
                 "translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>}")
 
@@ -83,46 +83,49 @@ _F16_DECODE = """
     %hi = arith.extf %hh : f16 to f32"""
 
 
-def _int_nibble(name: str, shift: int) -> str:
-    """f32 E2M1 value of the nibble at bit ``shift`` of %w (i32), with only normal floats."""
+def _int_nibble(name: str, code: str) -> str:
+    """f32 E2M1 value of the nibble %``code`` (i16, 0..15) with i16 ops only (8 lanes per SSE2
+    register) and normal floats only: the bf16 pattern (m << 6) + 0x3F00 of m = code & 7 is E2M1[m]
+    for m >= 2; m = 0 and 1 are masked to 0 and 0x3F00 (0.5) by (m > 1 ? 0xFFFF : m * 0x3F00);
+    the sign bit is or-ed in and the pattern widened to f32 (bf16 is the top half of an f32)."""
     return f"""
-    %{name}_s = arith.shrui %w, %c{shift} : i32
-    %{name}_c = arith.andi %{name}_s, %c15 : i32
-    %{name}_m = arith.andi %{name}_c, %c7 : i32
-    %{name}_b = arith.shli %{name}_m, %c22i : i32
-    %{name}_e = arith.addi %{name}_b, %half_bits : i32
-    %{name}_f = arith.bitcast %{name}_e : i32 to f32
-    %{name}_small = arith.cmpi ult, %{name}_m, %c2 : i32
-    %{name}_2f = arith.addf %{name}_f, %{name}_f : f32
-    %{name}_sub = arith.subf %{name}_2f, %one : f32
-    %{name}_abs = arith.select %{name}_small, %{name}_sub, %{name}_f : f32
-    %{name}_ab = arith.bitcast %{name}_abs : f32 to i32
-    %{name}_sg = arith.andi %{name}_c, %c8 : i32
-    %{name}_sb = arith.shli %{name}_sg, %c28 : i32
-    %{name}_v = arith.ori %{name}_ab, %{name}_sb : i32
-    %{name} = arith.bitcast %{name}_v : i32 to f32"""
+    %{name}_m = arith.andi %{code}, %c7 : i16
+    %{name}_sg = arith.andi %{code}, %c8 : i16
+    %{name}_sb = arith.shli %{name}_sg, %c12 : i16
+    %{name}_b = arith.shli %{name}_m, %c6 : i16
+    %{name}_e = arith.addi %{name}_b, %half : i16
+    %{name}_big = arith.cmpi ugt, %{name}_m, %c1 : i16
+    %{name}_bm = arith.extsi %{name}_big : i1 to i16
+    %{name}_sm = arith.muli %{name}_m, %half : i16
+    %{name}_mask = arith.ori %{name}_bm, %{name}_sm : i16
+    %{name}_abs = arith.andi %{name}_e, %{name}_mask : i16
+    %{name}_v = arith.ori %{name}_abs, %{name}_sb : i16
+    %{name}_w = arith.extui %{name}_v : i16 to i32
+    %{name}_f = arith.shli %{name}_w, %c16 : i32
+    %{name} = arith.bitcast %{name}_f : i32 to f32"""
 
 
 _INT_DECODE = """
-    %c0 = arith.constant 0 : i32
-    %c4 = arith.constant 4 : i32
-    %c2 = arith.constant 2 : i32
-    %c7 = arith.constant 7 : i32
-    %c8 = arith.constant 8 : i32
-    %c15 = arith.constant 15 : i32
-    %c22i = arith.constant 22 : i32
-    %c28 = arith.constant 28 : i32
-    %half_bits = arith.constant 1056964608 : i32
-    %one = arith.constant 1.0 : f32
-    %w = arith.extui %p : i8 to i32""" + _int_nibble("lo", 0) + _int_nibble("hi", 4)
+    %c1 = arith.constant 1 : i16
+    %c4 = arith.constant 4 : i16
+    %c6 = arith.constant 6 : i16
+    %c7 = arith.constant 7 : i16
+    %c8 = arith.constant 8 : i16
+    %c12 = arith.constant 12 : i16
+    %c15 = arith.constant 15 : i16
+    %c16 = arith.constant 16 : i32
+    %half = arith.constant 16128 : i16
+    %w = arith.extui %p : i8 to i16
+    %lo_c = arith.andi %w, %c15 : i16
+    %hi_c = arith.shrui %w, %c4 : i16""" + _int_nibble("lo", "lo_c") + _int_nibble("hi", "hi_c")
 
 DECODES = {"f16": _F16_DECODE, "int": _INT_DECODE}
 FOLDS = {"f16": F16_FOLD, "int": 1.0}
 
 
-def gemv(name: str, out_dim: int, in_dim: int, decode: str, tuned: bool) -> str:
-    """``func @name(P [1, O, in/2] i8, S [1, O, in/32] i8, xe [in/32, 16], xo [in/32, 16]) -> [1, O]``.
-    ``tuned`` pins the lanes with a ``compilation_info`` (llvm-cpu with 16-lane f32 vectors)."""
+def gemv(name: str, out_dim: int, in_dim: int, decode: str) -> str:
+    """``func @name(P [1, O, in/2] i8, S [1, O, in/32] i8, xe [in/32, 16], xo [in/32, 16]) -> [1, O]``,
+    the lanes pinned by a ``compilation_info`` (llvm-cpu)."""
     O, B = out_dim, in_dim // 32
     pk, sc = f"tensor<1x{O}x{in_dim // 2}xi8>", f"tensor<1x{O}x{B}xi8>"
     xt, part, y = f"tensor<{B}x{LANES}xf32>", f"tensor<{O}x{LANES}xf32>", f"tensor<{O}xf32>"
@@ -140,7 +143,7 @@ module {{
                                              affine_map<(o, j, b) -> (o, j)>],
                             iterator_types = ["parallel", "parallel", "reduction"]}}
         ins(%P3, %S2, %xe, %xo : tensor<{O}x{B}x{LANES}xi8>, tensor<{O}x{B}xi8>, {xt}, {xt})
-        outs(%f : {part}) {_HOST_CONFIG if tuned else ""} {{
+        outs(%f : {part}) {_LANES_CONFIG} {{
     ^bb0(%p: i8, %s: i8, %a: f32, %b: f32, %acc: f32):{DECODES[decode]}{_SCALE}
       %t0 = arith.mulf %lo, %a : f32
       %t1 = arith.mulf %hi, %b : f32
@@ -190,7 +193,7 @@ module {{
 }}"""
 
 
-def expert_slot(name: str, act_name: str, axpy_name: str, L: int, I: int, decode: str, tuned: bool) -> list[str]:
+def expert_slot(name: str, act_name: str, axpy_name: str, L: int, I: int, decode: str) -> list[str]:
     """``func @name(a [1, L], z [1, L], ws [1, 1], w1p, w1s, w3p, w3s, w2p, w2s) -> a + ws * FFN(z)``
     for one expert sliced [1, out, ...] from the stacked weights; ``act_name(g, u)`` and
     ``axpy_name(a, ws, y)`` are defined elsewhere (traced from PyTorch)."""
@@ -221,10 +224,10 @@ module {{
   }}
 }}"""
     return [split(f"{name}_split_in", L, decode), split(f"{name}_split_hid", I, decode),
-            gemv(f"{name}_up", I, L, decode, tuned), gemv(f"{name}_down", L, I, decode, tuned), wrapper]
+            gemv(f"{name}_up", I, L, decode), gemv(f"{name}_down", L, I, decode), wrapper]
 
 
-def matvec_module(out_dim: int, in_dim: int, decode: str, tuned: bool) -> str:
+def matvec_module(out_dim: int, in_dim: int, decode: str) -> str:
     """A module whose public ``main(P [1, O, in/2] i8, S [1, O, in/32] i8, x [1, in]) -> [1, O]`` is
     one matvec as the expert FFN runs it (split, then gemv): for tests and the bench."""
     from iree.compiler import ir
@@ -246,7 +249,7 @@ module {{
 }}"""
     with ir.Context(), ir.Location.unknown():
         module = ir.Module.create()
-        for text in (split("split", in_dim, decode), gemv("gemv", O, in_dim, decode, tuned), main):
+        for text in (split("split", in_dim, decode), gemv("gemv", O, in_dim, decode), main):
             merge_functions(module, text)
         for f in module.body.operations:
             if ir.StringAttr(f.attributes["sym_name"]).value == "main":

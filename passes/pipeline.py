@@ -23,9 +23,9 @@ class Rewrite:
 VARIANTS = {
     "llvm-cpu": [Rewrite("torch.k3.kda_chunk", partial(lowerings.kda_chunk, block=256, chunk=16),
                          "chunkwise KDA, 256 tokens per loop iteration in 16-token chunks (k3c bench)"),
-                 Rewrite("torch.k3.mxfp4_moe", expert_loops.mxfp4_moe_streamed("int", tuned=False),
-                         "MXFP4 decode streams the packed weights, integer nibble decode (no F16C)")],
-    "cpu": [Rewrite("torch.k3.mxfp4_moe", expert_loops.mxfp4_moe_streamed("f16", tuned=True),
+                 Rewrite("torch.k3.mxfp4_moe", expert_loops.mxfp4_moe_streamed("int"),
+                         "MXFP4 decode streams the packed weights, 16 lanes per row, i16 nibble decode (no F16C)")],
+    "cpu": [Rewrite("torch.k3.mxfp4_moe", expert_loops.mxfp4_moe_streamed("f16"),
                     "MXFP4 decode streams the packed weights, f16 nibble decode, 16 lanes per row")],
     "vulkan-spirv": [Rewrite("torch.k3.kda_step", lowerings.kda_step_v_major,
                              "recurrent KDA step on the V-major state (SPIR-V: reductions innermost)")],

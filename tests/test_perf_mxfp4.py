@@ -14,8 +14,8 @@ from test_compiled_ops import compile_op
 
 import k3c.model  # noqa: F401  (registers torch.ops.k3.*)
 
-# (target, nibble decode, 16-lane compilation_info): the forms passes/pipeline.py picks per CPU target
-FORMS = [("cpu", "f16", True), ("cpu:x86-64", "int", False)]
+# (target, nibble decode): the forms passes/pipeline.py picks per CPU target
+FORMS = [("cpu", "f16"), ("cpu:x86-64", "int")]
 # E8M0 bytes: 0 (2^-127, an f32 subnormal), small, 1.0, large, >= 241 (where a +14 fold would
 # overflow), 254 (2^127) and 255 (NaN)
 SCALE_BYTES = np.array([0, 1, 2, 20, 100, 127, 128, 200, 240, 241, 250, 253, 254, 255], dtype=np.uint8)
@@ -44,8 +44,8 @@ def load_main(text: str, target: str):
     return lambda *arrays: main(*(np.ascontiguousarray(a) for a in arrays)).to_host()
 
 
-@pytest.mark.parametrize("target,decode,tuned", FORMS, ids=[f[0] for f in FORMS])
-def test_matvec_is_exact_on_every_code_and_scale_edge(target, decode, tuned):
+@pytest.mark.parametrize("target,decode", FORMS, ids=[f[0] for f in FORMS])
+def test_matvec_is_exact_on_every_code_and_scale_edge(target, decode):
     """x one-hot (0.75 at position i): y[o] must be W[o, i] * 0.75 rounded once to f32, where W is
     dequantised by ml_dtypes in float64: every code in every row, each scale byte in some block,
     6 * 2^127 * 0.75 overflowing to inf, 3 * 2^127 * 0.75 finite (an f32 dequantisation would give
@@ -55,7 +55,7 @@ def test_matvec_is_exact_on_every_code_and_scale_edge(target, decode, tuned):
     from k3c.passes.mxfp4_gemv import matvec_module
 
     O, IN = 32, 64
-    run = load_main(matvec_module(O, IN, decode, tuned), target)
+    run = load_main(matvec_module(O, IN, decode), target)
     codes = (np.arange(IN)[None] + np.arange(O)[:, None]) % 16
     packed = (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8)
     scale = SCALE_BYTES[(np.arange(O)[:, None] + 7 * np.arange(IN // 32)) % len(SCALE_BYTES)]
