@@ -7,6 +7,7 @@ Absolute medians are reported too, but not judged. Sections:
 
     decode    time per token, compiled vs eager, at several contexts (k3-small)
     prefill   tokens/s, compiled vs eager
+    layers    prefill of one KDA attention, MLA attention and MoE block, compiled vs eager
     kda       compiled chunkwise KDA prefill vs T, and vs a compiled token-by-token recurrence
     moe       decode-step MXFP4 expert FFN: weight bytes/s vs a large memory copy; vs bf16 experts
     hybrid    decode time of k3-small vs the same model with every attention layer MLA
@@ -57,6 +58,7 @@ class Sizes:
     max_prompt: int
     decode_contexts: tuple[int, ...]
     prefill_tokens: tuple[int, ...]
+    layer_tokens: tuple[int, ...]  # prefill of one KDA / MLA / MoE layer part
     kda_tokens: tuple[int, ...]
     kda_scan_tokens: int
     moe: dict                      # experts E, top-k, latent L, expert hidden I
@@ -68,9 +70,10 @@ class Sizes:
     sections: tuple[str, ...] = SECTIONS
 
 
-FULL = Sizes("k3-small", 2048, (128, 1024, 4096, 16384), (512, 2048), (256, 512, 1024, 2048, 4096, 8192), 2048,
+FULL = Sizes("k3-small", 2048, (128, 1024, 4096, 16384), (512, 2048), (512, 2048, 8192),
+             (256, 512, 1024, 2048, 4096, 8192), 2048,
              {"E": 32, "k": 16, "L": 3584, "I": 3072}, 512 << 20, (1024, 4096, 16384), (8, 16, 32), 7, 3)
-QUICK = Sizes("k3-tiny", 128, (16, 64, 256), (16, 64), (64, 128, 256, 512), 128,
+QUICK = Sizes("k3-tiny", 128, (16, 64, 256), (16, 64), (16, 64), (64, 128, 256, 512), 128,
               {"E": 8, "k": 2, "L": 256, "I": 256}, 32 << 20, (64, 128, 256), (1, 2), 3, 1,
               ("decode", "prefill", "kda", "moe"))  # hybrid and compile need whole models compiled
 
@@ -231,6 +234,33 @@ def bench_prefill(compiled: TimedSession, model: K3Model, lengths, rounds: int, 
     return {"rows": rows}
 
 
+def bench_layers(model: K3Model, tokens, target: Target, rounds: int, log) -> dict:
+    """Prefill of one layer part of each kind (KDA attention, MLA attention, MoE block; the first
+    layer of each), compiled vs eager, at each token count."""
+    cfg = model.cfg
+    first = {}
+    for i, layer in enumerate(model.model.layers):
+        first.setdefault(layer.kind, i)
+        if hasattr(layer, "block_sparse_moe"):
+            first.setdefault("moe", i)
+    rows = []
+    for part in ("kda", "mla", "moe"):
+        if part not in first:
+            continue
+        module = bench_ops.LayerPrefill(model.model.layers[first[part]], part, cfg.conv_size).eval()
+        _, compiled = _load(bench_ops.layer_module(module, cfg.hash, first[part], max(tokens), target, log))
+        for T in tokens:
+            x = torch.randn(1, T, cfg.hidden_size, generator=torch.Generator().manual_seed(T))
+            with torch.no_grad():
+                times = interleaved({"eager": lambda: module(x), "compiled": lambda: compiled(x.numpy()).to_host()},
+                                    rounds)
+            rows.append({"part": part, "layer": first[part], "tokens": T, "eager_ms": ms(times["eager"]),
+                         "compiled_ms": ms(times["compiled"]), "speedup": ratio(times, "eager", "compiled")})
+            log(f"{part} layer prefill at T = {T}: {rows[-1]['compiled_ms']:.0f} ms compiled, "
+                f"{rows[-1]['eager_ms']:.0f} ms eager")
+    return {"rows": rows}
+
+
 def _load(vmfb: bytes):
     import iree.runtime as rt
 
@@ -383,6 +413,9 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
         ck = checkpoint_for(cfg, work / f"{sizes.preset}-checkpoint", 0, log)
         bundle, model = bench_bundle(work / sizes.preset, ck, tgt, sizes.max_prompt, log)
         compiled = TimedSession(bundle)
+    elif "layers" in sections:
+        ck = checkpoint_for(cfg, work / f"{sizes.preset}-checkpoint", 0, log)
+        model = load_checkpoint(ck, dtype=torch.float32).eval()
     for name in sections:
         t0 = time.perf_counter()
         log(f"bench {name} ...")
@@ -390,6 +423,8 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
             out[name] = bench_decode(compiled, model, sizes.decode_contexts, sizes.rounds, sizes.copy_bytes, log)
         elif name == "prefill":
             out[name] = bench_prefill(compiled, model, sizes.prefill_tokens, sizes.slow_rounds, log)
+        elif name == "layers":
+            out[name] = bench_layers(model, sizes.layer_tokens, tgt, sizes.slow_rounds, log)
         elif name == "kda":
             out[name] = bench_kda(cfg, sizes, tgt, sizes.rounds, log)
         elif name == "moe":

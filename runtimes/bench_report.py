@@ -7,7 +7,8 @@ from pathlib import Path
 from ..artifacts.bundle import write_atomic
 
 # the sections of ``k3c bench``, in the order they run and are reported (runtimes/bench.py)
-SECTIONS = ("decode", "prefill", "kda", "moe", "hybrid", "compile")
+SECTIONS = ("decode", "prefill", "layers", "kda", "moe", "hybrid", "compile")
+PART_NAMES = {"kda": "KDA", "mla": "MLA", "moe": "MoE"}
 
 
 def _row(figure: str, value: float, target: str, met: bool, fmt: str = "{:.2f}x") -> dict:
@@ -31,6 +32,10 @@ def targets(sections: dict) -> list[dict]:
     if "prefill" in sections:
         for r in sections["prefill"]["rows"]:
             rows.append(_row(f"prefill speedup at T = {r['tokens']}", r["speedup"], ">= 3x", r["speedup"] >= 3))
+    if "layers" in sections:
+        for r in sections["layers"]["rows"]:
+            rows.append(_row(f"{PART_NAMES[r['part']]} layer prefill speedup at T = {r['tokens']}", r["speedup"],
+                             ">= 1x", r["speedup"] >= 1))
     if "kda" in sections:
         k = sections["kda"]
         g = k["growth"]
@@ -82,6 +87,9 @@ def markdown(result: dict) -> str:
     if "prefill" in s:
         lines.append("- prefill tok/s (compiled / eager): " + ", ".join(
             f"T={r['tokens']}: {r['compiled_tok_s']:.0f} / {r['eager_tok_s']:.0f}" for r in s["prefill"]["rows"]))
+    if "layers" in s:
+        lines.append("- layer prefill ms (compiled / eager): " + ", ".join(
+            f"{r['part']} T={r['tokens']}: {r['compiled_ms']:.0f} / {r['eager_ms']:.0f}" for r in s["layers"]["rows"]))
     if "kda" in s:
         k = s["kda"]
         lines.append(f"- KDA chunkwise ms (H={k['heads']}, K={k['head_dim']}): " + ", ".join(
@@ -129,6 +137,13 @@ def plot(result: dict, out: Path) -> None:
             ax.bar([i - 0.2 for i in range(len(x))], [r["eager_tok_s"] for r in rows], 0.4, label="eager")
             ax.bar([i + 0.2 for i in range(len(x))], [r["compiled_tok_s"] for r in rows], 0.4, label="compiled")
             ax.set(xticks=range(len(x)), xticklabels=x, xlabel="prompt tokens", ylabel="tokens / s", title="prefill")
+        elif name == "layers":
+            for part in dict.fromkeys(r["part"] for r in rows):
+                pr = [r for r in rows if r["part"] == part]
+                ax.plot([r["tokens"] for r in pr], [r["speedup"] for r in pr], "o-", label=part)
+            x = sorted({r["tokens"] for r in rows})
+            ax.axhline(1, color="gray", ls=":")
+            ax.set(xscale="log", xlabel="T", ylabel="eager / compiled", title="layer prefill")
         elif name == "kda":
             x = [r["tokens"] for r in rows]
             ax.plot(x, [r["chunkwise_ms"] for r in rows], "o-", label="chunkwise")
