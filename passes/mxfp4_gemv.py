@@ -24,15 +24,15 @@ Decoding a nibble c, two ways (no table: a gather does not vectorise):
   only (IREE flushes subnormals).
 
 Numeric edges (tests/test_perf_mxfp4.py checks them bit for bit against ml_dtypes): the block
-scale is the f32 2^(S - 127) built from its bits: S << 23 for S in [1, 254], 2^-127 (an f32
-subnormal, bits 0x400000) for S = 0, NaN for S = 255 (the OCP NaN scale, which makes its row
-NaN). Every weight enters exactly as E2M1 * 2^(S - 127), and a block's products are summed before
+scale is the f32 2^(S - 127) built from its bits: S << 23 for S in [1, 254], NaN for S = 255
+(the OCP NaN scale, which makes its row NaN), and 0 for S = 0, whose 2^-127 is an f32 subnormal
+(see below). Every weight enters exactly as E2M1 * 2^(S - 127), and a block's products are summed before
 the scale multiplies them: the result is the float64 dequantise-then-matmul rounded to f32, up to
 the order of the f32 additions. Where a dequantised weight would not fit in f32 (S = 254 with
 |E2M1| >= 2, S = 253 with |E2M1| >= 4) an f32 dequantisation gives inf, this form the product
 when it fits (as float64 does). IREE's CPU workers flush subnormals to zero, inputs and results,
-in every op: a scale byte 0 (2^-127) counts as 0, as it does in a dequantisation compiled by IREE,
-and subnormal results are 0. The ``f16`` form multiplies the activations by 2^14: |x| >= 2^114
+in every op: a scale byte 0 (2^-127) counts as 0 there, as it does in a dequantisation compiled by
+IREE, and subnormal results are 0. The ``f16`` form multiplies the activations by 2^14: |x| >= 2^114
 overflows there.
 """
 from __future__ import annotations
@@ -47,8 +47,9 @@ _LANES_CONFIG = ("attrs = {compilation_info = #iree_codegen.compilation_info<low
                 "distribution = [16, 16, 0], vector_common_parallel = [1, 16, 0], vector_reduction = [0, 0, 1]>, "
                 "translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>}")
 
-# the f32 2^(S - 127), no compare or select (they halved the throughput): S << 23, or-ed with
-# 0x400000 when S is 0 (2^-127, a subnormal) or 255 (NaN); ((S + 1) | (S - 1)) >> 8 is odd only then
+# the f32 2^(S - 127) from its bits, no compare or select (they halved the throughput): S << 23,
+# or-ed with 0x400000 (NaN) when S = 255, where (S + 1) >> 8 is 1. S = 0 gives +0: 2^-127 is an
+# f32 subnormal, which IREE's CPU workers read as 0 anyway.
 _SCALE = """
     %c23 = arith.constant 23 : i32
     %c22 = arith.constant 22 : i32
@@ -57,11 +58,8 @@ _SCALE = """
     %s32 = arith.extui %s : i8 to i32
     %sb = arith.shli %s32, %c23 : i32
     %sp = arith.addi %s32, %c1_s : i32
-    %sm = arith.subi %s32, %c1_s : i32
-    %so = arith.ori %sp, %sm : i32
-    %st = arith.shrui %so, %c8_s : i32
-    %s1 = arith.andi %st, %c1_s : i32
-    %sq = arith.shli %s1, %c22 : i32
+    %st = arith.shrui %sp, %c8_s : i32
+    %sq = arith.shli %st, %c22 : i32
     %sr = arith.ori %sb, %sq : i32
     %scale = arith.bitcast %sr : i32 to f32"""
 
