@@ -9,7 +9,9 @@ iterations call one traced expert FFN on slices of the stacked expert weights, s
                only (every expert on every token would cost E/k times more).
 Inside the FFN the MXFP4 matrices are dequantised by ``dequantize``: one elementwise op per matrix,
 which IREE compiles to one dispatch (model.mxfp4.dequantize's interleaving of the two nibbles becomes
-a strided copy; with it the gather form that came before was ~3x slower per weight).
+a strided copy; with it the gather form that came before was ~3x slower per weight). On llvm-cpu the
+decode form instead multiplies the packed weights as they are (``mxfp4_moe_streamed``,
+mxfp4_gemv.py): a decode step reads each picked matrix once, 0.53 bytes per weight.
 """
 from __future__ import annotations
 
