@@ -73,8 +73,19 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     return op.MatMul(op.Softmax(scores, axis=-1), value)
 
 
+def _causal_attention(q, k, v, scale):
+    """torch.ops.k3.causal_attention (q, k, v [B, T, H, D]) in plain ONNX ops, the causal mask
+    s <= t built from the token count: ONNX importers lower it like the masked attention above."""
+    qh, kh, vh = (op.Transpose(t, perm=[0, 2, 1, 3]) for t in (q, k, v))
+    scores = op.Mul(op.MatMul(qh, op.Transpose(kh, perm=[0, 1, 3, 2])), op.CastLike(scale, q))
+    pos = op.Range(op.Constant(value_int=0), op.Squeeze(op.Shape(q, start=1, end=2)), op.Constant(value_int=1))
+    mask = op.LessOrEqual(op.Unsqueeze(pos, op.Constant(value_ints=[0])), op.Unsqueeze(pos, op.Constant(value_ints=[1])))
+    scores = op.Where(mask, scores, op.CastLike(float("-inf"), q))
+    return op.Transpose(op.MatMul(op.Softmax(scores, axis=-1), vh), perm=[0, 2, 1, 3])
+
+
 TRANSLATIONS = {torch.ops.k3.kda_chunk.default: _kda_chunk, torch.ops.k3.kda_step.default: _kda_step,
-                torch.ops.k3.mxfp4_moe.default: _mxfp4_moe,
+                torch.ops.k3.mxfp4_moe.default: _mxfp4_moe, torch.ops.k3.causal_attention.default: _causal_attention,
                 torch.ops.aten.scaled_dot_product_attention.default: _attention}
 
 

@@ -7,6 +7,7 @@ Absolute medians are reported too, but not judged. Sections:
 
     decode    time per token, compiled vs eager, at several contexts (k3-small)
     prefill   tokens/s, compiled vs eager
+    layers    prefill of one KDA attention, MLA attention and MoE block, compiled vs eager
     kda       compiled chunkwise KDA prefill vs T, and vs a compiled token-by-token recurrence
     moe       decode-step MXFP4 expert FFN: weight bytes/s vs a large memory copy; vs bf16 experts
     hybrid    decode time of k3-small vs the same model with every attention layer MLA
@@ -38,6 +39,7 @@ from .build import build_bundle, compile_model, export_cached, stored_dtypes
 from ..artifacts.bundle import Bundle, open_bundle
 from ..errors import K3Error
 from ..model import K3Config, K3Model
+from ..model.accounting import account
 from ..model.checkpoint import load_checkpoint, stored_dtype
 from ..model.config import every_fourth_and_last
 from ..model.convert import save_checkpoint
@@ -56,6 +58,7 @@ class Sizes:
     max_prompt: int
     decode_contexts: tuple[int, ...]
     prefill_tokens: tuple[int, ...]
+    layer_tokens: tuple[int, ...]  # prefill of one KDA / MLA / MoE layer part
     kda_tokens: tuple[int, ...]
     kda_scan_tokens: int
     moe: dict                      # experts E, top-k, latent L, expert hidden I
@@ -67,9 +70,10 @@ class Sizes:
     sections: tuple[str, ...] = SECTIONS
 
 
-FULL = Sizes("k3-small", 2048, (128, 1024, 4096, 16384), (512, 2048), (256, 512, 1024, 2048, 4096, 8192), 2048,
+FULL = Sizes("k3-small", 2048, (128, 1024, 4096, 16384), (512, 2048), (512, 2048, 8192),
+             (256, 512, 1024, 2048, 4096, 8192), 2048,
              {"E": 32, "k": 16, "L": 3584, "I": 3072}, 512 << 20, (1024, 4096, 16384), (8, 16, 32), 7, 3)
-QUICK = Sizes("k3-tiny", 128, (16, 64, 256), (16, 64), (64, 128, 256, 512), 128,
+QUICK = Sizes("k3-tiny", 128, (16, 64, 256), (16, 64), (16, 64), (64, 128, 256, 512), 128,
               {"E": 8, "k": 2, "L": 256, "I": 256}, 32 << 20, (64, 128, 256), (1, 2), 3, 1,
               ("decode", "prefill", "kda", "moe"))  # hybrid and compile need whole models compiled
 
@@ -177,19 +181,43 @@ def synthetic_state(model: K3Model, cached: int, seed: int = 0) -> K3State:
 
 
 # ---- sections -----------------------------------------------------------------------------------
-def bench_decode(compiled: TimedSession, model: K3Model, contexts, rounds: int, log) -> dict:
+def active_weight_bytes(cfg: K3Config) -> int:
+    """Weight bytes a decode token reads, as stored (spec §6): everything but the embedding table
+    (one row is looked up) and the routed experts, plus the top-k experts of each MoE layer."""
+    f = account(cfg)
+    b = f["bytes_by_component"]
+    routed = b.get("routed_experts", 0)
+    picked = (f["params_active_per_token"] - f["params_trunk"]) // max(f["params_per_routed_expert"], 1)
+    return f["bytes_total"] - b.get("embedding", 0) - routed + picked * routed // max(f["routed_experts"], 1)
+
+
+def bench_decode(compiled: TimedSession, model: K3Model, contexts, rounds: int, copy_bytes: int, log) -> dict:
+    """Compiled vs eager per token; at the first and last context (128 and 16k in the full run) also
+    a large copy in the same rounds, for the decode roofline fraction: (active weight bytes /
+    compiled time) / copy bandwidth (read + write)."""
     token = np.array([[1]], dtype=np.int64)
+    active = active_weight_bytes(model.cfg)
+    src = np.ones(copy_bytes // 8)
+    dst = np.empty_like(src)
     rows = []
     for n in contexts:
         state = synthetic_state(model, n - 1)
         on_device = compiled.on_device(state)
+        cases = {"eager": lambda: model.decode(torch.from_numpy(token), state),
+                 "compiled": lambda: compiled.decode(token, on_device)}
+        if n in (contexts[0], contexts[-1]):
+            cases["copy"] = lambda: np.copyto(dst, src)
         with torch.no_grad():
-            times = interleaved({"eager": lambda: model.decode(torch.from_numpy(token), state),
-                                 "compiled": lambda: compiled.decode(token, on_device)}, rounds)
+            times = interleaved(cases, rounds)
         rows.append({"context": n, "eager_ms": ms(times["eager"]), "compiled_ms": ms(times["compiled"]),
                      "speedup": ratio(times, "eager", "compiled")})
+        if "copy" in times:
+            rows[-1].update(copy_GBps=2 * src.nbytes / statistics.median(times["copy"]) / 1e9,
+                            weight_GBps=active / statistics.median(times["compiled"]) / 1e9,
+                            roofline_fraction=ratio(times, "copy", "compiled") * active / (2 * src.nbytes))
         log(f"decode at context {n}: {rows[-1]['compiled_ms']:.1f} ms compiled, {rows[-1]['eager_ms']:.1f} ms eager")
-    return {"state": "synthesized random state with context - 1 cached tokens", "rows": rows}
+    return {"state": "synthesized random state with context - 1 cached tokens", "active_weight_bytes": active,
+            "rows": rows}
 
 
 def bench_prefill(compiled: TimedSession, model: K3Model, lengths, rounds: int, log) -> dict:
@@ -203,6 +231,33 @@ def bench_prefill(compiled: TimedSession, model: K3Model, lengths, rounds: int, 
                      "compiled_tok_s": T / statistics.median(times["compiled"]),
                      "speedup": ratio(times, "eager", "compiled")})
         log(f"prefill {T} tokens: {rows[-1]['compiled_tok_s']:.0f} tok/s compiled, {rows[-1]['eager_tok_s']:.0f} eager")
+    return {"rows": rows}
+
+
+def bench_layers(model: K3Model, tokens, target: Target, rounds: int, log) -> dict:
+    """Prefill of one layer part of each kind (KDA attention, MLA attention, MoE block; the first
+    layer of each), compiled vs eager, at each token count."""
+    cfg = model.cfg
+    first = {}
+    for i, layer in enumerate(model.model.layers):
+        first.setdefault(layer.kind, i)
+        if hasattr(layer, "block_sparse_moe"):
+            first.setdefault("moe", i)
+    rows = []
+    for part in ("kda", "mla", "moe"):
+        if part not in first:
+            continue
+        module = bench_ops.LayerPrefill(model.model.layers[first[part]], part, cfg.conv_size).eval()
+        _, compiled = _load(bench_ops.layer_module(module, cfg.hash, first[part], max(tokens), target, log))
+        for T in tokens:
+            x = torch.randn(1, T, cfg.hidden_size, generator=torch.Generator().manual_seed(T))
+            with torch.no_grad():
+                times = interleaved({"eager": lambda: module(x), "compiled": lambda: compiled(x.numpy()).to_host()},
+                                    rounds)
+            rows.append({"part": part, "layer": first[part], "tokens": T, "eager_ms": ms(times["eager"]),
+                         "compiled_ms": ms(times["compiled"]), "speedup": ratio(times, "eager", "compiled")})
+            log(f"{part} layer prefill at T = {T}: {rows[-1]['compiled_ms']:.0f} ms compiled, "
+                f"{rows[-1]['eager_ms']:.0f} ms eager")
     return {"rows": rows}
 
 
@@ -358,13 +413,18 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
         ck = checkpoint_for(cfg, work / f"{sizes.preset}-checkpoint", 0, log)
         bundle, model = bench_bundle(work / sizes.preset, ck, tgt, sizes.max_prompt, log)
         compiled = TimedSession(bundle)
+    elif "layers" in sections:
+        ck = checkpoint_for(cfg, work / f"{sizes.preset}-checkpoint", 0, log)
+        model = load_checkpoint(ck, dtype=torch.float32).eval()
     for name in sections:
         t0 = time.perf_counter()
         log(f"bench {name} ...")
         if name == "decode":
-            out[name] = bench_decode(compiled, model, sizes.decode_contexts, sizes.rounds, log)
+            out[name] = bench_decode(compiled, model, sizes.decode_contexts, sizes.rounds, sizes.copy_bytes, log)
         elif name == "prefill":
             out[name] = bench_prefill(compiled, model, sizes.prefill_tokens, sizes.slow_rounds, log)
+        elif name == "layers":
+            out[name] = bench_layers(model, sizes.layer_tokens, tgt, sizes.slow_rounds, log)
         elif name == "kda":
             out[name] = bench_kda(cfg, sizes, tgt, sizes.rounds, log)
         elif name == "moe":

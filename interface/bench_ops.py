@@ -5,6 +5,8 @@
   ``scf.for`` over tokens calling the traced one-token recurrence (``kda.kda_recurrent``).
 - MXFP4 MoE (docs/model.md §4-5): ``torch.k3.mxfp4_moe`` for one token, which the pipeline lowers to its
   decode form (a loop over the picked experts), and the same loop over the experts stored in bf16.
+- Layer parts at prefill: the KDA or MLA attention or the MoE block of one decoder layer over a
+  dynamic token count, the weights as constants.
 Compiled modules are cached (verified entries, utils/files.py) by what decides them: shapes, k3c sources,
 target and package versions.
 """
@@ -190,6 +192,36 @@ def moe_module(form: str, act: tuple[str, float, float], token: list[np.ndarray]
         k = token[1].shape[1]
         types = [TensorType((1, L), "f32"), TensorType((1, k), "i64"), TensorType((1, k), "f32")]
         types += [TensorType(tuple(w.shape), "bf16") for w in weights]
-        return standalone(expert_loops.by_slot("main", types, bf16_ffn(*act)), "main")
+        return standalone(expert_loops.by_slot("main", types, expert_loops.traced_slot(bf16_ffn(*act))), "main")
     spec = {"E": E, "k": token[1].shape[1], "L": L, "I": I, "act": list(act)}
     return compile_cached(f"moe-{form}", spec, make, target, log)
+
+
+class LayerPrefill(nn.Module):
+    """One part of a decoder layer over T tokens from an empty state, x [1, T, D] -> [1, T, D]:
+    ``part`` "kda" or "mla" (the attention, fed as after input_layernorm) or "moe" (the MoE block)."""
+
+    def __init__(self, layer: nn.Module, part: str, conv_width: int):
+        super().__init__()
+        self.layer, self.part, self.conv_width = layer, part, conv_width
+
+    def forward(self, x):
+        if self.part == "moe":
+            return self.layer.block_sparse_moe(x)
+        attn = self.layer.self_attn
+        if self.part == "mla":
+            return attn(x, None)[0]
+        width = attn.H * attn.K
+        conv = tuple(x.new_zeros(1, width, self.conv_width - 1) for _ in range(3))
+        return attn(x, conv, x.new_zeros(1, attn.H, attn.K, attn.K))[0]
+
+
+def layer_module(layer: LayerPrefill, cfg_hash: str, index: int, max_tokens: int, target: Target, log=print) -> bytes:
+    """``layer`` exported with a dynamic token count up to ``max_tokens``, its weights as constants,
+    lowered as the model is for ``target``."""
+    def make():
+        T = Dim("T", min=2, max=max_tokens)
+        return lower(layer, (torch.zeros(1, 64, layer.layer.input_layernorm.weight.shape[0]),),
+                     Pipeline.for_target(target), ({1: T},))
+    spec = {"config": cfg_hash, "layer": index, "part": layer.part, "max_tokens": max_tokens}
+    return compile_cached(f"layer-{layer.part}", spec, make, target, log)

@@ -58,20 +58,28 @@ class GatedMLA(nn.Module):
     def forward(self, x: torch.Tensor, cache: torch.Tensor | None, decode: bool = False):
         """x [B, T, D]; cache [B, L, rank + rope] of the L tokens before, or None at the start of a
         sequence. Returns (out, new cache)."""
+        first = cache is None
         latent = self.latent(x)
-        cache = latent if cache is None else torch.cat((cache.to(x.dtype), latent), dim=1)
+        cache = latent if first else torch.cat((cache.to(x.dtype), latent), dim=1)
         q_nope, q_pe = self.queries(x)
-        o = self.attend_absorbed(q_nope, q_pe, cache) if decode else self.attend_naive(q_nope, q_pe, cache)
+        if decode:
+            o = self.attend_absorbed(q_nope, q_pe, cache)
+        else:
+            o = self.attend_naive(q_nope, q_pe, cache, first)
         return self.finish(x, o.to(x.dtype)), cache
 
-    def attend_naive(self, q_nope, q_pe, cache):
-        """Expand per-head keys/values from the latent; causal softmax over all cached tokens."""
+    def attend_naive(self, q_nope, q_pe, cache, first: bool = False):
+        """Expand per-head keys/values from the latent; causal softmax over all cached tokens.
+        ``first``: the cache holds only these T tokens (a prefill from the start), whose attention
+        is the k3 causal_attention op (its own lowering per target)."""
         B, T, H, _ = q_nope.shape
         L = cache.shape[1]
         c_n, k_pe = cache.split((self.rank, self.rope), dim=-1)
         k_nope, v = self.kv_b_proj(c_n).view(B, L, H, -1).split((self.nope, self.dv), dim=-1)
         key = torch.cat((k_nope, k_pe.unsqueeze(2).expand(B, L, H, self.rope)), dim=-1)
         query = torch.cat((q_nope, q_pe), dim=-1)
+        if first:
+            return torch.ops.k3.causal_attention(upcast(query), upcast(key), upcast(v), self.scale)
         # query t sits at absolute position L - T + t and sees keys up to it
         mask = torch.ones(T, L, dtype=torch.bool, device=cache.device).tril(L - T)
         o = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), v.transpose(1, 2),

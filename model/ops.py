@@ -1,4 +1,4 @@
-"""The three k3 custom ops (namespace ``k3``): the only parts of the graph that are not plain aten.
+"""The four k3 custom ops (namespace ``k3``): the only parts of the graph that are not plain aten.
 
 Each eager implementation is the readable reference in kda.py / moe.py / mxfp4.py; the fake
 implementation gives shapes for torch.export, so the ops reach torch-mlir as
@@ -7,6 +7,7 @@ implementation gives shapes for torch.export, so the ops reach torch-mlir as
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import kda, mxfp4
@@ -57,3 +58,19 @@ def mxfp4_moe(z: Tensor, idx: Tensor, w: Tensor,
 @mxfp4_moe.register_fake
 def _mxfp4_moe_fake(z, idx, w, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, act, beta1, beta2):
     return z.new_empty((z.shape[0], w2_packed.shape[1]))
+
+
+@torch.library.custom_op("k3::causal_attention", mutates_args=())
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Causal softmax attention of T tokens over themselves (an MLA prefill from an empty cache):
+    q, k [B, T, H, Dq], v [B, T, H, Dv] -> o [B, T, H, Dv], o_t = sum_{s <= t} softmax_s(q_t.k_s
+    scale) v_s, in q's dtype (fp32, float64 in the double-precision reference).
+    Reference: PyTorch's scaled_dot_product_attention. Lowered by passes/causal_attention.py."""
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       is_causal=True, scale=scale)
+    return o.transpose(1, 2).contiguous()
+
+
+@causal_attention.register_fake
+def _causal_attention_fake(q, k, v, scale):
+    return q.new_empty((*q.shape[:3], v.shape[-1]))

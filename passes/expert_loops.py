@@ -9,7 +9,9 @@ iterations call one traced expert FFN on slices of the stacked expert weights, s
                only (every expert on every token would cost E/k times more).
 Inside the FFN the MXFP4 matrices are dequantised by ``dequantize``: one elementwise op per matrix,
 which IREE compiles to one dispatch (model.mxfp4.dequantize's interleaving of the two nibbles becomes
-a strided copy; with it the gather form that came before was ~3x slower per weight).
+a strided copy; with it the gather form that came before was ~3x slower per weight). On llvm-cpu the
+decode form instead multiplies the packed weights as they are (``mxfp4_moe_streamed``,
+mxfp4_gemv.py): a decode step reads each picked matrix once, 0.53 bytes per weight.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 
 from ..model import mxfp4
 from ..model.moe import glu_act
+from . import mxfp4_gemv
 from .trace import TensorType, trace_to_linalg
 
 
@@ -52,14 +55,22 @@ def _slices(names: list[str], types: list[TensorType], index: str, indent: str) 
     return "\n".join(lines)
 
 
-def by_slot(sym: str, ins: list[TensorType], ffn) -> list[str]:
+def traced_slot(ffn):
+    """The slot function traced from PyTorch: ``a + ws * ffn(rows, *weight slices)``."""
+    def slot(name: str, types: list[TensorType]) -> list[str]:
+        return [trace_to_linalg(lambda a, r, ws, *m: a + ws * ffn(r, *m), types, name)]
+    return slot
+
+
+def by_slot(sym: str, ins: list[TensorType], slot) -> list[str]:
     """Decode form of ``func @sym(z [N, L], idx [N, k], w [N, k], *weights [E, ...]) -> [N, L]``;
-    ``ffn(rows [1, L], *weight slices [1, ...]) -> [1, L]`` is traced once."""
+    ``slot(name, types)`` gives the texts defining ``func @name(a [1, L], rows [1, L], ws [1, 1],
+    *weight slices [1, ...]) -> a + ws * FFN(rows)`` (e.g. ``traced_slot(ffn)``)."""
     z, idx, w, *weights = ins
     N, k, L = z.shape[0], idx.shape[1], z.shape[1]  # experts map L -> L
     one = [t.with_dim(0, 1) for t in weights]
     row, out, wt = TensorType((1, L), "f32"), TensorType((N, L), "f32"), TensorType((1, 1), "f32")
-    slot = trace_to_linalg(lambda a, r, ws, *m: a + ws * ffn(r, *m), [row, row, wt, *one], sym + "_slot")
+    slot_texts = slot(sym + "_slot", [row, row, wt, *one])
     names = [f"m{i}" for i in range(len(weights))]
     params = ", ".join(f"%{n}: {t}" for n, t in zip(names, weights))
     call_types = ", ".join(map(str, [row, row, wt, *one]))
@@ -91,7 +102,7 @@ module {{
     return %y : {out}
   }}
 }}"""
-    return [slot, wrapper]
+    return [*slot_texts, wrapper]
 
 
 def _group(n_experts: int):
@@ -166,6 +177,32 @@ module {{
 
 
 def mxfp4_moe(sym: str, ins: list[TensorType], consts: list) -> list[str]:
-    """``torch.k3.mxfp4_moe``: by_expert for a dynamic token count, by_slot for a static one."""
-    form = by_expert if ins[0].shape[0] is None else by_slot
-    return form(sym, ins, _ffn(*consts))
+    """``torch.k3.mxfp4_moe``: by_expert for a dynamic token count, by_slot for a static one; the
+    FFN dequantises each matrix, then multiplies (every target)."""
+    if ins[0].shape[0] is None:
+        return by_expert(sym, ins, _ffn(*consts))
+    return by_slot(sym, ins, traced_slot(_ffn(*consts)))
+
+
+def _streamed_slot(decode: str, act: str, beta1: float, beta2: float):
+    """The slot as mxfp4_gemv's matvecs on the packed weights, with the activation and the
+    weighted add traced from PyTorch."""
+    def slot(name: str, types: list[TensorType]) -> list[str]:
+        row, _, wt, w1p, *_ = types
+        L, I = row.shape[1], w1p.shape[1]
+        hid = TensorType((1, I), "f32")
+        act_fn = trace_to_linalg(lambda g, u: glu_act(act, beta1, beta2, g, u), [hid, hid], name + "_act")
+        axpy = trace_to_linalg(lambda a, ws, y: a + ws * y, [row, wt, row], name + "_axpy")
+        return [act_fn, axpy, *mxfp4_gemv.expert_slot(name, name + "_act", name + "_axpy", L, I, decode)]
+    return slot
+
+
+def mxfp4_moe_streamed(decode: str):
+    """``torch.k3.mxfp4_moe`` for llvm-cpu: decode (by_slot) streams the packed weights through
+    mxfp4_gemv (nibble ``decode`` "f16" or "int"); prefill as mxfp4_moe (its matmuls over many
+    rows pay for a dequantised copy)."""
+    def generator(sym: str, ins: list[TensorType], consts: list) -> list[str]:
+        if ins[0].shape[0] is None:
+            return by_expert(sym, ins, _ffn(*consts))
+        return by_slot(sym, ins, _streamed_slot(decode, *consts))
+    return generator

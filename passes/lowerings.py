@@ -9,7 +9,9 @@
   same recurrence on the transposed state (``kda_step_v_major``).
 - ``torch.k3.mxfp4_moe``: experts stay 4-bit in memory and are dequantised one at a time, sliced
   in place: decode loops over the picked (token, slot) pairs, prefill groups the tokens by expert
-  and loops over the experts (expert_loops.py).
+  and loops over the experts (expert_loops.py); on llvm-cpu decode multiplies the packed weights
+  directly (mxfp4_gemv.py).
+- ``torch.k3.causal_attention``: a loop over static query blocks (causal_attention.py).
 Each generator returns MLIR texts defining ``func @<sym>`` with the operator's builtin types.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ from functools import partial
 from iree.compiler import ir
 
 from ..errors import K3Error
-from . import lowerings
+from . import causal_attention, expert_loops, lowerings
 from .rewrite import custom_ops, lower_custom_op
 
 
@@ -19,10 +19,14 @@ class Rewrite:
     doc: str
 
 
-# per target backend, the rewrites that replace a default one
+# per target backend, then per target name (which wins), the rewrites that replace a default one
 VARIANTS = {
     "llvm-cpu": [Rewrite("torch.k3.kda_chunk", partial(lowerings.kda_chunk, block=256, chunk=16),
-                         "chunkwise KDA, 256 tokens per loop iteration in 16-token chunks (k3c bench)")],
+                         "chunkwise KDA, 256 tokens per loop iteration in 16-token chunks (k3c bench)"),
+                 Rewrite("torch.k3.mxfp4_moe", expert_loops.mxfp4_moe_streamed("int"),
+                         "MXFP4 decode streams the packed weights, 16 lanes per row, i16 nibble decode (no F16C)")],
+    "cpu": [Rewrite("torch.k3.mxfp4_moe", expert_loops.mxfp4_moe_streamed("f16"),
+                    "MXFP4 decode streams the packed weights, f16 nibble decode, 16 lanes per row")],
     "vulkan-spirv": [Rewrite("torch.k3.kda_step", lowerings.kda_step_v_major,
                              "recurrent KDA step on the V-major state (SPIR-V: reductions innermost)")],
 }
@@ -36,12 +40,14 @@ class Pipeline:
         Rewrite("torch.k3.kda_step", lowerings.kda_step, "recurrent KDA step for decode"),
         Rewrite("torch.k3.mxfp4_moe", lowerings.mxfp4_moe,
                 "MXFP4 experts one at a time, sliced in place: loop over picked slots / over experts"),
+        Rewrite("torch.k3.causal_attention", causal_attention.causal_attention,
+                f"MLA prefill attention: a loop over {causal_attention.BLOCK}-row query blocks, keys up to the block"),
     ])
 
     @classmethod
     def for_target(cls, target) -> "Pipeline":
         """The default rewrites with ``target``'s variants (a compiler.targets.Target) in their place."""
-        variants = {r.op: r for r in VARIANTS.get(target.backend, [])}
+        variants = {r.op: r for key in (target.backend, target.name) for r in VARIANTS.get(key, [])}
         return cls([variants.get(r.op, r) for r in cls().rewrites])
 
     def describe(self) -> str:

@@ -17,9 +17,10 @@ E, I, L, TOP_K = 8, 32, 64, 2  # experts, expert hidden, latent width, experts p
 BETA1, BETA2 = 4.0, 25.0
 
 
-def compile_op(fn, example: tuple, dynamic_shapes=None):
+def compile_op(fn, example: tuple, dynamic_shapes=None, target: str = "cpu"):
     """Export ``fn`` (a function of tensors calling torch.ops.k3.*), lower its custom ops with
-    passes/, compile for this CPU and load it; returns a function of numpy arrays -> numpy arrays."""
+    passes/ as the model is for ``target`` (a CPU target), compile and load it; returns a function
+    of numpy arrays -> numpy arrays."""
     import iree.runtime as rt
     from iree.compiler import ir
     from iree.compiler.extras.fx_importer import FxImporter
@@ -36,8 +37,8 @@ def compile_op(fn, example: tuple, dynamic_shapes=None):
     importer = FxImporter(context=context)
     with context:
         importer.import_program(program, func_name="main")
-    Pipeline().run(importer.module, log=lambda _: None)
-    vmfb = compile_mlir(str(importer.module), parse_target("cpu"), log=lambda _: None)
+    Pipeline.for_target(parse_target(target)).run(importer.module, log=lambda _: None)
+    vmfb = compile_mlir(str(importer.module), parse_target(target), log=lambda _: None)
     config = rt.Config("local-task")
     context = rt.SystemContext(config=config)
     context.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
