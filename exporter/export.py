@@ -1,9 +1,12 @@
-"""K3Model -> torch.export -> torch-dialect MLIR with two entry points and external parameters.
+"""K3Model -> torch.export -> torch-dialect MLIR with three entry points and external parameters.
 
     prefill(tokens [B, T])          -> (logits [B, T, vocab], hidden [layers, B, T, D], *state)
     decode(token [B, 1], *state)    -> (logits [B, 1, vocab], *state)
+    extend(tokens [B, T], *state)   -> (logits [B, T, vocab], *state)
 
-T is dynamic in [1, max_prompt]; the MLA caches in the state have a dynamic length L (the position
+``extend`` continues a sequence by T tokens (chunked prefill: a prompt longer than max_prompt, or a
+new chat turn); it is the prefill graph started from a given state. T is dynamic in [1, max_prompt];
+the MLA caches in the state have a dynamic length L (the position
 of the next token), so decode costs grow with the context used. State tensors are flattened in
 K3State field order: every ``kda_conv``, every ``kda_S``, every ``mla_cache``.
 
@@ -70,6 +73,13 @@ class _Decode(nn.Module):
     def forward(self, token, *flat_state):
         state = pytree.tree_unflatten(list(flat_state), self.spec)
         logits, state = self.net.layers_forward(token, state, True)
+        return logits, *pytree.tree_leaves(state)
+
+
+class _Extend(_Decode):
+    def forward(self, tokens, *flat_state):
+        state = pytree.tree_unflatten(list(flat_state), self.spec)
+        logits, state = self.net.layers_forward(tokens, state, False)
         return logits, *pytree.tree_leaves(state)
 
 
@@ -150,16 +160,37 @@ def trace_entry_points(model: K3Model, *, batch: int = 1, max_prompt: int = 128,
     return prefill, decode, flat, timings
 
 
+def trace_extend(model: K3Model, *, batch: int = 1, max_prompt: int = 128, log=print):
+    """torch.export of extend: T dynamic in [1, max_prompt], the MLA cache length L dynamic (>= 1:
+    a sequence is started by prefill). The example's T and L differ so that export keeps them apart."""
+    cfg = model.cfg
+    model = model.eval()
+    with torch.no_grad():
+        state = model.prefill(torch.zeros(batch, 3, dtype=torch.long))[1]
+        flat, spec = pytree.tree_flatten(state)
+        n_mla = len(state.mla_cache)
+        L = Dim("L", min=1, max=cfg.max_position_embeddings - 1)
+        T = Dim("T", min=1, max=max_prompt)
+        dyn = tuple([None] * (len(flat) - n_mla) + [{1: L}] * n_mla)
+        t0 = time.perf_counter()
+        extend = export(_Extend(model, spec), (torch.zeros(batch, 2, dtype=torch.long), *flat),
+                        dynamic_shapes=({1: T}, dyn))
+        seconds = time.perf_counter() - t0
+        log(f"exported extend in {seconds:.1f}s")
+    return extend, seconds
+
+
 def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch: int = 1,
                  max_prompt: int = 128, log=print) -> ExportedModule:
     """Export prefill and decode of ``model`` (already in its compute dtype) into one module whose
     parameters are read at ``stored_dtypes`` (checkpoint tensor name -> dtype on disk)."""
     cfg = model.cfg
     prefill, decode, flat, timings = trace_entry_points(model, batch=batch, max_prompt=max_prompt, log=log)
+    extend, timings["export_extend_s"] = trace_extend(model, batch=batch, max_prompt=max_prompt, log=log)
     with torch.no_grad():
         t0 = time.perf_counter()
         table = get_decomposition_table()
-        prefill, decode = prefill.run_decompositions(table), decode.run_decompositions(table)
+        prefill, decode, extend = (p.run_decompositions(table) for p in (prefill, decode, extend))
         timings["decompose_s"] = time.perf_counter() - t0
 
     hooks = _ParameterHooks(stored_dtypes, prefix="net.")
@@ -169,6 +200,7 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
     with context:
         importer.import_program(prefill, func_name="prefill")
         importer.import_program(decode, func_name="decode")
+        importer.import_program(extend, func_name="extend")
     importer.module.operation.verify()
     timings["import_s"] = time.perf_counter() - t0
     log(f"imported to torch-dialect MLIR in {timings['import_s']:.1f}s ({len(hooks.globals)} parameters)")
@@ -178,6 +210,8 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         "prefill": f"(tokens [{batch}, T<= {max_prompt}] int64) -> (logits [{batch}, T, {cfg.vocab_size}] f32, "
                    f"hidden [{cfg.num_hidden_layers}, {batch}, T, {cfg.hidden_size}], state...)",
         "decode": f"(token [{batch}, 1] int64, state...) -> (logits [{batch}, 1, {cfg.vocab_size}] f32, state...)",
+        "extend": f"(tokens [{batch}, T<= {max_prompt}] int64, state...) -> (logits [{batch}, T, "
+                  f"{cfg.vocab_size}] f32, state...)",
         "state": shapes,
     }
     return ExportedModule(importer.module, entry_points, hooks.globals, max_prompt, batch, len(flat), timings)
