@@ -47,3 +47,52 @@ def render_chat(template: str | None, messages: list[dict], special_tokens: dict
     except jinja2.TemplateError as e:
         where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
         raise K3Error(f"chat: the chat template fails to render{where}: {e.message or type(e).__name__}") from None
+
+
+def generate_text(session, tokenizer, prompt_ids: list[int], *, max_new_tokens: int, sampler=None,
+                  stops: tuple[str, ...] = (), write=lambda text: None, continue_sequence: bool = False):
+    """Generate from ``prompt_ids`` (Session.generate), stopping at the tokenizer's EOS ids and at
+    ``stops``; ``write`` gets the text as it is produced. Returns (text, Generation)."""
+    from .tokenizer import TextStream
+    stream = TextStream(tokenizer, stops)
+
+    def on_token(token: int) -> bool:
+        text, stopped = stream.feed(token)
+        write(text)
+        return stopped
+
+    gen = session.generate(prompt_ids, max_new_tokens, sampler, tokenizer.eos_ids, on_token, continue_sequence)
+    write(stream.finish())
+    return stream.text, gen
+
+
+class Conversation:
+    """A chat whose state stays on the device between turns. Each turn renders the whole
+    conversation; when that text begins with the text the state already holds (the previous prompt
+    and the reply as generated), only the rest is encoded and fed through ``extend`` after the
+    reply's last id (which generation never feeds); otherwise (a template that rewrites earlier
+    turns, a reply cut at a stop string) the whole conversation is prefilled again."""
+
+    def __init__(self, session, tokenizer, system: str | None = None):
+        self.session, self.tokenizer = session, tokenizer
+        self.messages = [{"role": "system", "content": system}] if system else []
+        self.state_text = ""
+        self.last_id: int | None = None
+
+    def prompt(self, user: str) -> tuple[str, list[int], bool]:
+        """Add the user's turn: (the rendered conversation, the ids to feed, whether they continue
+        the current state)."""
+        self.messages.append({"role": "user", "content": user})
+        text = render_chat(self.tokenizer.chat_template, self.messages, self.tokenizer.special_tokens)
+        if self.last_id is not None and text.startswith(self.state_text):
+            return text, [self.last_id] + self.tokenizer.encode(text[len(self.state_text):], chat=True), True
+        return text, self.tokenizer.encode(text, chat=True), False
+
+    def turn(self, user: str, **generate):
+        """One exchange: the reply streamed through ``generate['write']``; (reply, Generation)."""
+        text, ids, continues = self.prompt(user)
+        reply, gen = generate_text(self.session, self.tokenizer, ids, continue_sequence=continues, **generate)
+        self.state_text = text + self.tokenizer.decode(gen.ids)
+        self.last_id = gen.ids[-1]
+        self.messages.append({"role": "assistant", "content": reply})
+        return reply, gen

@@ -223,3 +223,12 @@ class TextStream:
         new = self.text[self.shown:max(upto, self.shown)]
         self.shown = max(upto, self.shown)
         return new
+
+
+def bundle_tokenizer(bundle) -> Tokenizer:
+    """The tokenizer a bundle carries (tokenizer/, written by artifacts/build.carry_tokenizer)."""
+    directory = bundle.root / "tokenizer"
+    if not directory.is_dir():
+        raise K3Error(f"run: {bundle.root} carries no tokenizer (its checkpoint has no tiktoken.model or "
+                      "tokenizer.json); give the prompt as --prompt-ids")
+    return load_tokenizer(directory, bundle.manifest.config["vocab_size"], bundle.checkpoint_dir / "config.json")
