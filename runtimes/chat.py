@@ -2,8 +2,9 @@
 ``apply_chat_template`` renders it (docs: https://huggingface.co/docs/transformers/chat_templating):
 a sandboxed, immutable jinja2 environment with ``trim_blocks`` and ``lstrip_blocks``, the
 ``loopcontrols`` extension, a ``tojson`` filter that keeps non-ASCII text, ``raise_exception`` and
-``strftime_now``; the template sees ``messages``, ``add_generation_prompt`` and the special tokens
-(``bos_token``, ``eos_token``, ...) of tokenizer_config.json.
+``strftime_now``; the template sees ``messages``, ``add_generation_prompt``, ``tools`` and
+``documents`` (None) and the special tokens (``bos_token``, ``eos_token``, ...) of
+tokenizer_config.json.
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def render_chat(template: str | None, messages: list[dict], special_tokens: dict
         raise K3Error("chat: this bundle's tokenizer has no chat template (chat_template.jinja or the "
                       "chat_template field of tokenizer_config.json)")
     try:
-        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **special_tokens)
+        return _compile(template).render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **special_tokens)
     except jinja2.TemplateError as e:
         where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
         raise K3Error(f"chat: the chat template fails to render{where}: {e.message or type(e).__name__}") from None

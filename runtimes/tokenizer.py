@@ -1,15 +1,14 @@
 """Tokenizers from a checkpoint directory, and the byte-level one of the random-weight presets.
 
-- ``tiktoken.model`` (Kimi): one ``base64(token bytes) rank`` line per mergeable token, read by
-  ``tiktoken.load.load_tiktoken_bpe``; ids from the number of those tokens up to the vocabulary are
-  special tokens, named by ``added_tokens_decoder`` of ``tokenizer_config.json`` (the rest
-  ``<|reserved_token_<id>|>``); text is split with Kimi's pattern (``PAT_STR``: runs of Han
+- ``tiktoken.model`` (Kimi): one ``base64(token bytes) rank`` line per mergeable token, encoded by
+  ``tiktoken``; ids from the number of those tokens up to the vocabulary are special tokens, named
+  by ``added_tokens_decoder`` of ``tokenizer_config.json`` (the rest ``<|reserved_token_<id>|>``); text is split with Kimi's pattern (``PAT_STR``: runs of Han
   characters apart, then the cl100k-style rules). Special-token text in the input encodes as the
   special token, as Kimi's ``TikTokenTokenizer.encode`` does.
 - ``tokenizer.json``: the Hugging Face ``tokenizers`` library, encoding as
   ``PreTrainedTokenizerFast`` does (its post-processor's special tokens for a plain prompt, none for
   a rendered chat; decoding keeps special tokens).
-- presets: ``byte_level_tokenizer`` writes a ``tokenizer.json`` whose ids 0-255 are the bytes and
+- presets: ``write_byte_level_tokenizer`` writes a ``tokenizer.json`` whose ids 0-255 are the bytes and
   256, 257 are ``<|bos|>``, ``<|eos|>`` (ids above decode to nothing).
 
 EOS ids come from ``generation_config.json`` and ``config.json`` (``eos_token_id``: an id or a list)
@@ -18,6 +17,8 @@ the ``chat_template`` field of ``tokenizer_config.json``.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,14 +113,25 @@ def _ids(value) -> set[int]:
     return {int(v) for v in (value if isinstance(value, list) else [value])}
 
 
+def _read_ranks(path: Path) -> dict[bytes, int]:
+    """The ``base64(token) rank`` lines of a tiktoken BPE file. (Read here, not by
+    ``tiktoken.load.load_tiktoken_bpe``, which caches files by path in a temporary directory and
+    would return the old contents of a file that changed.)"""
+    ranks = {}
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise K3Error(f"tokenizer: {path} line {n} is not a base64 token and a rank: {line[:60]!r}") from None
+    return ranks
+
+
 def _tiktoken(path: Path, config: dict, vocab_size: int):
     import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
-    try:
-        ranks = load_tiktoken_bpe(str(path))
-    except Exception as e:  # tiktoken raises ValueError / binascii.Error / IndexError on bad lines
-        raise K3Error(f"tokenizer: {path} is not a tiktoken BPE file (base64 token and rank per line): "
-                      f"{type(e).__name__}: {e}") from None
+    ranks = _read_ranks(path)
     if sorted(ranks.values()) != list(range(len(ranks))) or len(ranks) > vocab_size:
         raise K3Error(f"tokenizer: the ranks in {path} are not 0..{len(ranks) - 1} within vocab_size {vocab_size}")
     named = {int(i): _token_text(t) for i, t in config.get("added_tokens_decoder", {}).items()}
