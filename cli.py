@@ -326,8 +326,8 @@ def run(bundle, prompt, prompt_ids, chat, system, max_new_tokens, temperature, t
     from .runtimes.tokenizer import bundle_tokenizer
     if (prompt is None) == (prompt_ids is None):
         raise K3Error("run: give exactly one of --prompt TEXT and --prompt-ids IDS")
-    if (chat or system) and prompt is None:
-        raise K3Error("run: --chat and --system take a --prompt TEXT")
+    if (chat or system or stop) and prompt is None:
+        raise K3Error("run: --chat, --system and --stop take a --prompt TEXT")
     session, sampler = _open_for_text(bundle, temperature, top_k, top_p, seed)
     if prompt_ids is not None:
         if not prompt_ids:

@@ -186,15 +186,16 @@ def carry_tokenizer(dest: Path, checkpoint: Path | None, vocab_size: int, log) -
     from ..runtimes.tokenizer import TOKENIZER_FILES, load_tokenizer, write_byte_level_tokenizer
     if checkpoint is None:
         write_byte_level_tokenizer(dest, vocab_size)
+        tokenizer = load_tokenizer(dest, vocab_size)
     else:
         present = [name for name in TOKENIZER_FILES if (checkpoint / name).is_file()]
         if not any(name in present for name in ("tiktoken.model", "tokenizer.json")):
             log(f"no tiktoken.model or tokenizer.json in {checkpoint}: the bundle takes token ids only")
             return
+        tokenizer = load_tokenizer(checkpoint, vocab_size, checkpoint / "config.json")
         dest.mkdir()
         for name in present:
             shutil.copy2(checkpoint / name, dest / name)
-    tokenizer = load_tokenizer(dest, vocab_size, None if checkpoint is None else checkpoint / "config.json")
     log(f"tokenizer: {', '.join(tokenizer.files)} (EOS ids {sorted(tokenizer.eos_ids) or 'none'}"
         f"{', chat template' if tokenizer.chat_template else ''})")
 

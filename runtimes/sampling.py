@@ -29,7 +29,8 @@ class Sampler:
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
         """The distribution sampled from: softmax(logits / temperature) restricted to the top_k most
-        likely tokens, then to the smallest most-likely set whose mass reaches top_p, renormalised."""
+        likely tokens (and any tied with the k-th), then to the smallest most-likely set whose mass
+        reaches top_p, renormalised."""
         z = np.asarray(logits, dtype=np.float64) / self.temperature
         if 0 < self.top_k < z.size:
             z[z < np.partition(z, -self.top_k)[-self.top_k]] = -np.inf

@@ -99,6 +99,8 @@ class Session:
         ids = self.check_ids(ids)
         if self.state is None:
             return self.prefill(ids)[0]
+        if ids.size == 0:
+            raise K3Error("run: nothing to extend the sequence with (no tokens)")
         if "extend" not in self.bundle.manifest.entry_points:
             raise K3Error(f"run: {self.bundle.root} has no extend entry point (compiled before chunked "
                           f"prefill), so it takes at most {self.bundle.manifest.max_prompt} prompt tokens "
@@ -112,10 +114,11 @@ class Session:
         return np.concatenate(out)
 
     def _check_room(self, n: int) -> None:
+        if self.position == 0 and n > self.max_context:
+            raise K3Error(f"run: the prompt has {n} tokens; the context holds {self.max_context}")
         if self.position + n > self.max_context:
-            used = f"{self.position} already used, " if self.position else ""
-            raise K3Error(f"run: {n} more tokens do not fit: the context holds {self.max_context} tokens "
-                          f"({used}{self.max_context - self.position} free)")
+            raise K3Error(f"run: {n} more tokens do not fit: the context holds {self.max_context} tokens, "
+                          f"{self.position} used, {self.max_context - self.position} free")
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; logits [vocab]. The state never leaves the device."""
