@@ -297,8 +297,9 @@ def _open_for_text(bundle, temperature, top_k, top_p, seed):
 
 
 def _write(text: str) -> None:
+    """Generated text as is (click.echo would drop escape sequences when stdout is not a terminal)."""
     if text:
-        click.echo(text, nl=False)
+        sys.stdout.write(text)
         sys.stdout.flush()
 
 
@@ -322,7 +323,7 @@ def _report(gen, session) -> None:
 def run(bundle, prompt, prompt_ids, chat, system, max_new_tokens, temperature, top_k, top_p, seed, stop, as_json):
     """Generate with a compiled bundle: the text streams to stdout as it is produced, then one line
     of prefill and decode throughput on stderr. Greedy unless --temperature is above 0."""
-    from .runtimes.chat import generate_text, render_chat
+    from .runtimes.chat import encode_prompt, generate_text
     from .runtimes.tokenizer import bundle_tokenizer
     if (prompt is None) == (prompt_ids is None):
         raise K3Error("run: give exactly one of --prompt TEXT and --prompt-ids IDS")
@@ -338,12 +339,7 @@ def run(bundle, prompt, prompt_ids, chat, system, max_new_tokens, temperature, t
             click.echo(",".join(map(str, gen.ids)))
     else:
         tokenizer = bundle_tokenizer(session.bundle)
-        if chat or system:
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            prompt_ids = tokenizer.encode(render_chat(tokenizer.chat_template, messages, tokenizer.special_tokens),
-                                          chat=True)
-        else:
-            prompt_ids = tokenizer.encode(prompt)
+        prompt_ids = encode_prompt(tokenizer, prompt, chat or bool(system), system)
         text, gen = generate_text(session, tokenizer, prompt_ids, max_new_tokens=max_new_tokens, sampler=sampler,
                                   stops=stop, write=(lambda _: None) if as_json else _write)
         if not as_json:

@@ -50,6 +50,15 @@ def render_chat(template: str | None, messages: list[dict], special_tokens: dict
         raise K3Error(f"chat: the chat template fails to render{where}: {e.message or type(e).__name__}") from None
 
 
+def encode_prompt(tokenizer, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+    """The ids of a plain prompt, or with ``chat`` of one user turn (after ``system``, if given)
+    rendered with the checkpoint's chat template, generation prompt included."""
+    if not chat:
+        return tokenizer.encode(prompt)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tokenizer.encode(render_chat(tokenizer.chat_template, messages, tokenizer.special_tokens), chat=True)
+
+
 def generate_text(session, tokenizer, prompt_ids: list[int], *, max_new_tokens: int, sampler=None,
                   stops: tuple[str, ...] = (), write=lambda text: None, continue_sequence: bool = False):
     """Generate from ``prompt_ids`` (Session.generate), stopping at the tokenizer's EOS ids and at

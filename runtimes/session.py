@@ -76,11 +76,13 @@ class Session:
             raise K3Error(f"run: token id {int(bad[0])} is out of range for vocab_size {self.vocab}")
         return ids
 
-    def prefill(self, prompt_ids) -> tuple[np.ndarray, np.ndarray | None]:
-        """Start a sequence with the prompt: logits [T, vocab] on the host, and the per-layer hidden
-        states [layers, T, D] when the prompt fits the ``prefill`` entry point (at most the bundle's
-        max_prompt tokens; None otherwise). A longer prompt is prefilled in pieces of max_prompt,
-        the first by ``prefill``, the others by ``extend`` from the state the piece before left."""
+    def prefill(self, prompt_ids, last_only: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        """Start a sequence with the prompt: logits [T, vocab] on the host (with ``last_only``, of the
+        last position only, [1, vocab]: the other pieces' logits are not read back), and the per-layer
+        hidden states [layers, T, D] when the prompt fits the ``prefill`` entry point (at most the
+        bundle's max_prompt tokens; None otherwise). A longer prompt is prefilled in pieces of
+        max_prompt, the first by ``prefill``, the others by ``extend`` from the state the piece before
+        left."""
         ids = self.check_ids(prompt_ids)
         if ids.size == 0:
             raise K3Error("run: the prompt is empty")
@@ -90,15 +92,18 @@ class Session:
         logits, hidden, *self.state = self.program.prefill(first[None])
         self.position = first.size
         if first.size == ids.size:
-            return self.host(logits)[0], self.host(hidden)[:, 0]
-        return np.concatenate([self.host(logits)[0], self.extend(ids[first.size:])]), None
+            logits = self.host(logits)[0]
+            return (logits[-1:] if last_only else logits), self.host(hidden)[:, 0]
+        rest = self.extend(ids[first.size:], last_only)
+        return (rest if last_only else np.concatenate([self.host(logits)[0], rest])), None
 
-    def extend(self, ids) -> np.ndarray:
+    def extend(self, ids, last_only: bool = False) -> np.ndarray:
         """Continue the sequence by ``ids`` (a chat turn, or the rest of a long prompt), in pieces of
-        at most max_prompt through the ``extend`` entry point: logits [T, vocab]."""
+        at most max_prompt through the ``extend`` entry point: logits [T, vocab] (``last_only``:
+        [1, vocab])."""
         ids = self.check_ids(ids)
         if self.state is None:
-            return self.prefill(ids)[0]
+            return self.prefill(ids, last_only)[0]
         if ids.size == 0:
             raise K3Error("run: nothing to extend the sequence with (no tokens)")
         if "extend" not in self.bundle.manifest.entry_points:
@@ -106,12 +111,14 @@ class Session:
                           f"prefill), so it takes at most {self.bundle.manifest.max_prompt} prompt tokens "
                           "and no chat turns; compile it again")
         self._check_room(ids.size)
+        pieces = np.array_split(ids, -(-ids.size // self.bundle.manifest.max_prompt))
         out = []
-        for piece in np.array_split(ids, -(-ids.size // self.bundle.manifest.max_prompt)):
+        for i, piece in enumerate(pieces):
             logits, *self.state = self.program.extend(piece[None], *self.state)
             self.position += piece.size
-            out.append(self.host(logits)[0])
-        return np.concatenate(out)
+            if not last_only or i == len(pieces) - 1:
+                out.append(self.host(logits)[0])
+        return out[0][-1:] if last_only else np.concatenate(out)
 
     def _check_room(self, n: int) -> None:
         if self.position == 0 and n > self.max_context:
@@ -140,7 +147,8 @@ class Session:
         The last id is never fed: the state holds the prompt and every id but the last."""
         choose = sampler or (lambda logits: int(np.argmax(logits)))
         t0 = time.perf_counter()
-        logits = (self.extend(prompt_ids) if continue_sequence else self.prefill(prompt_ids)[0])[-1]
+        feed = self.extend if continue_sequence else lambda ids, last: self.prefill(ids, last)[0]
+        logits = feed(prompt_ids, True)[-1]
         gen = Generation([], len(prompt_ids), time.perf_counter() - t0)
         while True:
             gen.ids.append(choose(logits))

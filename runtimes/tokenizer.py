@@ -9,7 +9,7 @@
   ``PreTrainedTokenizerFast`` does (its post-processor's special tokens for a plain prompt, none for
   a rendered chat; decoding keeps special tokens).
 - presets: ``write_byte_level_tokenizer`` writes a ``tokenizer.json`` whose ids 0-255 are the bytes and
-  256, 257 are ``<|bos|>``, ``<|eos|>`` (ids above decode to nothing).
+  256, 257 are ``<|bos|>``, ``<|eos|>`` (ids above decode to nothing), and a plain chat template.
 
 EOS ids come from ``generation_config.json`` and ``config.json`` (``eos_token_id``: an id or a list)
 and the ``eos_token`` of ``tokenizer_config.json``. The chat template is ``chat_template.jinja`` or
@@ -41,6 +41,8 @@ PAT_STR = "|".join([
     r"\s+",
 ])
 BYTE_SPECIALS = ("<|bos|>", "<|eos|>")
+BYTE_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 @dataclass
@@ -191,7 +193,8 @@ def _byte_chars() -> list[str]:
 
 def write_byte_level_tokenizer(directory: Path, vocab_size: int) -> None:
     """tokenizer.json + tokenizer_config.json of a byte-level tokenizer for a random-weight preset:
-    ids 0-255 the bytes, 256 ``<|bos|>``, 257 ``<|eos|>`` (the EOS); no merges."""
+    ids 0-255 the bytes, 256 ``<|bos|>``, 257 ``<|eos|>`` (the EOS); no merges; a plain chat
+    template (``role: content<|eos|>`` per message)."""
     from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
     if vocab_size < 256 + len(BYTE_SPECIALS):
         raise K3Error(f"tokenizer: vocab_size {vocab_size} is too small for a byte-level tokenizer")
@@ -202,7 +205,7 @@ def write_byte_level_tokenizer(directory: Path, vocab_size: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     hf.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": BYTE_SPECIALS[0], "eos_token": BYTE_SPECIALS[1]}, indent=2))
+        {"bos_token": BYTE_SPECIALS[0], "eos_token": BYTE_SPECIALS[1], "chat_template": BYTE_CHAT_TEMPLATE}, indent=2))
 
 
 class TextStream:

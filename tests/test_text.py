@@ -91,6 +91,11 @@ def test_byte_level_preset_tokenizer(tmp_path):
         assert tok.decode(b(text)) == text
     assert tok.encode("a<|eos|>") == [97, 257] and tok.eos_ids == {257}
     assert tok.decode([104, 300, 105]) == "hi"  # ids without a token decode to nothing
+    messages = [{"role": "user", "content": "hé"}, {"role": "assistant", "content": "ok"}]
+    rendered = render_chat(tok.chat_template, messages, tok.special_tokens)
+    assert rendered == "user: hé<|eos|>\nassistant: ok<|eos|>\nassistant: "
+    assert rendered == PreTrainedTokenizerFast.from_pretrained(tmp_path).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
 
 
 @pytest.mark.parametrize("generation_prompt", [True, False])
