@@ -2,9 +2,10 @@
 
 - ``tiktoken.model`` (Kimi): one ``base64(token bytes) rank`` line per mergeable token, encoded by
   ``tiktoken``; ids from the number of those tokens up to the vocabulary are special tokens, named
-  by ``added_tokens_decoder`` of ``tokenizer_config.json`` (the rest ``<|reserved_token_<id>|>``); text is split with Kimi's pattern (``PAT_STR``: runs of Han
-  characters apart, then the cl100k-style rules). Special-token text in the input encodes as the
-  special token, as Kimi's ``TikTokenTokenizer.encode`` does.
+  by ``added_tokens_decoder`` of ``tokenizer_config.json`` (the rest ``<|reserved_token_<id>|>``);
+  text is split with Kimi's pattern (``PAT_STR``, from the ``pat_str`` of Kimi's
+  tokenization_kimi.py: runs of Han characters apart, then cl100k-style rules). Special-token text
+  in the input encodes as the special token, as Kimi's ``TikTokenTokenizer.encode`` does.
 - ``tokenizer.json``: the Hugging Face ``tokenizers`` library, encoding as
   ``PreTrainedTokenizerFast`` does (its post-processor's special tokens for a plain prompt, none for
   a rendered chat; decoding keeps special tokens).

@@ -1,7 +1,9 @@
 """Text in, text out on compiled k3-tiny bundles: a checkpoint carrying a Kimi-style tiktoken.model,
-tokenizer_config.json and chat template, compiled with --max-prompt 16, so that prompts run in
-pieces through the extend entry point (not aligned to the KDA lowering's 256-token blocks); and the
-preset bundle of conftest.py with its byte-level tokenizer. Checked against the eager model."""
+tokenizer_config.json and chat template, its context raised to 4096 (NoPE: no weight depends on it)
+and compiled with --max-prompt 300, so that a long prompt runs in pieces through the extend entry
+point, each piece two of the CPU KDA lowering's 256-token blocks (the second padded) started from
+the state the piece before left; and the preset bundle of conftest.py with its byte-level tokenizer.
+Checked against the eager model."""
 from __future__ import annotations
 
 import json
@@ -24,7 +26,8 @@ from k3c.runtimes.tokenizer import bundle_tokenizer
 
 K3C = Path(sys.executable).with_name("k3c")
 TOL = 1e-4          # fp32 max abs logit error on the CPU, as tests/test_e2e.py
-MAX_PROMPT = 16
+MAX_PROMPT = 300
+CONTEXT = 4096
 
 
 def k3c(*args, cache: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -34,12 +37,14 @@ def k3c(*args, cache: Path, stdin: str | None = None) -> subprocess.CompletedPro
 
 @pytest.fixture(scope="session")
 def kimi_checkpoint(tmp_path_factory) -> Path:
-    """k3-tiny seed-0 weights with the Kimi-style tokenizer files beside them."""
+    """k3-tiny seed-0 weights, context CONTEXT, with the Kimi-style tokenizer files beside them."""
     from k3c.model import K3Config, K3Model
     from k3c.model.convert import save_checkpoint
     from k3c.model.init import init_weights
     ck = tmp_path_factory.mktemp("kimi-ck") / "checkpoint"
     save_checkpoint(init_weights(K3Model(K3Config.preset("k3-tiny")), 0), ck)
+    config = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
     return write_kimi_tokenizer(ck)
 
 
@@ -76,7 +81,7 @@ def test_bundle_carries_the_tokenizer(kimi_bundle):
 
 
 def test_prompt_10x_max_prompt_matches_one_eager_prefill(kimi_bundle, eager):
-    """160 tokens in pieces of 16 (prefill, then extend 9 times from the state): every logit within
+    """3000 tokens in pieces of 300 (prefill, then extend 9 times from the state): every logit within
     TOL of one eager prefill of the whole prompt, and the same greedy continuation."""
     prompt = torch.randint(0, 512, (10 * MAX_PROMPT,), generator=torch.Generator().manual_seed(11))
     session = Session(kimi_bundle)
@@ -135,9 +140,9 @@ def test_chat_command_keeps_state_between_piped_turns(kimi_bundle, k3c_cache):
 
 
 def test_bad_input_one_line_errors(kimi_bundle, kimi_checkpoint, k3c_cache, tmp_path):
-    r = k3c("run", kimi_bundle.root, "--prompt", "a" * 300, cache=k3c_cache)
+    r = k3c("run", kimi_bundle.root, "--prompt", "a" * (CONTEXT + 1), cache=k3c_cache)
     assert r.returncode == 1 and r.stderr.strip() == (
-        "error: run: the prompt has 300 tokens; the context holds 256")
+        f"error: run: the prompt has {CONTEXT + 1} tokens; the context holds {CONTEXT}")
     bad = tmp_path / "b"
     shutil.copytree(kimi_bundle.root, bad)
     (bad / "tokenizer" / "tiktoken.model").write_text("garbage\n")
@@ -154,13 +159,17 @@ def test_bad_input_one_line_errors(kimi_bundle, kimi_checkpoint, k3c_cache, tmp_
 
 
 def test_context_limit_stops_cleanly(kimi_bundle):
-    """-n past the context: generation stops when prompt and generated ids fill the 256 tokens."""
+    """-n past the context: generation stops when prompt and generated ids fill the context."""
     session = Session(kimi_bundle)
-    gen = session.generate(list(range(250)), 100)
-    assert gen.finish_reason == "context" and 250 + len(gen.ids) == 256
-    session.decode(gen.ids[-1])  # the 256th token fits
-    with pytest.raises(K3Error, match=r"^run: the context is full: it holds 256 tokens"):
+    prompt = [i % 500 for i in range(CONTEXT - 6)]
+    gen = session.generate(prompt, 100)
+    assert gen.finish_reason == "context" and len(prompt) + len(gen.ids) == CONTEXT
+    session.decode(gen.ids[-1])  # the last token of the context fits
+    with pytest.raises(K3Error, match=rf"^run: the context is full: it holds {CONTEXT} tokens"):
         session.decode(0)
+    with pytest.raises(K3Error, match=rf"^run: 2 more tokens do not fit: the context holds {CONTEXT} tokens, "
+                                      rf"{CONTEXT} used, 0 free"):
+        session.extend([1, 2])
 
 
 def test_preset_bundle_prints_text(tiny_bundle, k3c_cache):
@@ -178,3 +187,19 @@ def test_preset_bundle_prints_text(tiny_bundle, k3c_cache):
     r = k3c("run", tiny_bundle.root, "--prompt", "hello", "-n", 8, cache=k3c_cache)
     assert r.returncode == 0 and r.stdout == text + "\n"
     assert r.stderr.startswith("prefill 5 tokens: ") and "decode" in r.stderr and "tok/s" in r.stderr
+
+
+def test_stop_string_cuts_the_reply_and_the_next_turn_starts_over(kimi_bundle, eager):
+    """A stop string that the greedy reply contains: the text ends before it (finish_reason stop,
+    the streamed pieces add up to it); the conversation text no longer extends the state's, so the
+    next turn is prefilled whole."""
+    tok = bundle_tokenizer(kimi_bundle)
+    prompt = tok.encode("<|im_user|>user<|im_middle|>hello<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    full = tok.decode(eager_greedy(eager, prompt, 12))
+    stop = full[3:5]
+    chat = Conversation(Session(kimi_bundle), tok)
+    pieces = []
+    reply, gen = chat.turn("hello", max_new_tokens=12, stops=(stop,), write=pieces.append)
+    assert gen.finish_reason == "stop" and reply == "".join(pieces) == full[:full.index(stop)]
+    text, ids, continues = chat.prompt("again")
+    assert not continues and ids == tok.encode(text, chat=True)
