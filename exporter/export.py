@@ -6,9 +6,9 @@
 
 ``extend`` continues a sequence by T tokens (chunked prefill: a prompt longer than max_prompt, or a
 new chat turn); it is the prefill graph started from a given state. T is dynamic in [1, max_prompt];
-the MLA caches in the state have a dynamic length L (the position
-of the next token), so decode costs grow with the context used. State tensors are flattened in
-K3State field order: every ``kda_conv``, every ``kda_S``, every ``mla_cache``.
+the MLA caches in the state have a dynamic length L (the position of the next token), so decode
+costs grow with the context used. State tensors are flattened in K3State field order: every
+``kda_conv``, every ``kda_S``, every ``mla_cache``.
 
 Weights become ``util.global`` with ``#flow.parameter.named<"model"::"<checkpoint tensor name>">``
 at the dtype they are stored in (bf16 trunk, u8 MXFP4 experts), widened to the model's compute dtype
@@ -77,6 +77,8 @@ class _Decode(nn.Module):
 
 
 class _Extend(_Decode):
+    """Prefill's graph (naive MLA, chunked KDA) continued from the given state."""
+
     def forward(self, tokens, *flat_state):
         state = pytree.tree_unflatten(list(flat_state), self.spec)
         logits, state = self.net.layers_forward(tokens, state, False)
@@ -182,7 +184,7 @@ def trace_extend(model: K3Model, *, batch: int = 1, max_prompt: int = 128, log=p
 
 def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch: int = 1,
                  max_prompt: int = 128, log=print) -> ExportedModule:
-    """Export prefill and decode of ``model`` (already in its compute dtype) into one module whose
+    """Export prefill, decode and extend of ``model`` (already in its compute dtype) into one module whose
     parameters are read at ``stored_dtypes`` (checkpoint tensor name -> dtype on disk)."""
     cfg = model.cfg
     prefill, decode, flat, timings = trace_entry_points(model, batch=batch, max_prompt=max_prompt, log=log)
