@@ -1,5 +1,5 @@
 """The ``k3c`` command line: one verb per job (inspect, init-checkpoint, quantize, export, compile,
-run, validate, bench, targets). Errors from bad input print one line and exit non-zero."""
+run, chat, validate, bench, targets). Errors from bad input print one line and exit non-zero."""
 from __future__ import annotations
 
 import contextlib
@@ -291,9 +291,11 @@ def _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir=None, 
                         seed=seed, max_prompt=max_prompt, force=force, log=log)
 
 
-def parse_ids(ctx, param, value: str) -> list[int]:
+def parse_ids(ctx, param, value: str | None) -> list[int] | None:
     """'1,2,3' -> [1, 2, 3]; an empty item or anything but an integer that fits int64 is a K3Error
     naming the first bad item."""
+    if value is None:
+        return None
     items = [x.strip() for x in value.split(",")]
     bad = next((x for x in items if not re.fullmatch(r"[+-]?\d{1,19}", x) or not -2**63 <= int(x) < 2**63), None)
     if bad == "":
@@ -303,19 +305,110 @@ def parse_ids(ctx, param, value: str) -> list[int]:
     return [int(x) for x in items]
 
 
-@main.command()
-@click.argument("bundle", type=click.Path(file_okay=False))
-@click.option("--prompt-ids", required=True, callback=parse_ids, help="Comma-separated token ids, e.g. 1,2,3.")
-@click.option("-n", "n_tokens", default=16, show_default=True, type=click.IntRange(min=1), help="Tokens to generate.")
-def run(bundle, prompt_ids, n_tokens):
-    """Greedy generation with a compiled bundle; prints the ids and prefill/decode throughput."""
+def generation_options(default_tokens: int):
+    def add(f):
+        for option in reversed([
+            click.option("-n", "--max-new-tokens", "max_new_tokens", default=default_tokens, show_default=True,
+                         type=click.IntRange(min=1), help="Most tokens to generate (per turn)."),
+            click.option("--temperature", default=0.0, show_default=True, type=float,
+                         help="0 is greedy; above 0 samples from softmax(logits / temperature)."),
+            click.option("--top-k", default=0, show_default=True, type=int, help="Sample among the k most likely (0: all)."),
+            click.option("--top-p", default=1.0, show_default=True, type=float,
+                         help="Sample among the most likely tokens whose mass reaches p (1: all)."),
+            click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampler."),
+            click.option("--stop", multiple=True, help="Stop when the text contains STRING (repeatable)."),
+        ]):
+            f = option(f)
+        return f
+    return add
+
+
+def _open_for_text(bundle, temperature, top_k, top_p, seed):
     from .artifacts.bundle import open_bundle
+    from .runtimes.sampling import Sampler
     from .runtimes.session import Session
-    session = Session(open_bundle(bundle))
-    gen = session.generate(prompt_ids, n_tokens)
-    click.echo(",".join(map(str, gen.ids)))
+    sampler = Sampler(temperature, top_k, top_p, seed)  # bad values fail before the module loads
+    return Session(open_bundle(bundle)), sampler
+
+
+def _write(text: str) -> None:
+    """Generated text as is (click.echo would drop escape sequences when stdout is not a terminal)."""
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _report(gen, session) -> None:
+    """The throughput line on stderr, after a note when the context ran full."""
+    if gen.finish_reason == "context":
+        click.echo(f"stopped at the context limit: {session.max_context} tokens (prompt and generated)", err=True)
     click.echo(f"prefill {gen.n_prompt} tokens: {gen.prefill_s * 1e3:.1f} ms ({gen.prefill_tok_s:.1f} tok/s); "
                f"decode {len(gen.decode_s)} tokens: {gen.decode_tok_s:.1f} tok/s", err=True)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(file_okay=False))
+@click.option("--prompt", default=None, help="Prompt text, encoded with the bundle's tokenizer.")
+@click.option("--prompt-ids", callback=parse_ids, default=None,
+              help="Comma-separated token ids, e.g. 1,2,3 (prints ids instead of text).")
+@click.option("--chat", is_flag=True, help="Render --prompt as a user turn with the checkpoint's chat template.")
+@click.option("--system", default=None, help="System message for --chat.")
+@generation_options(16)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, ids, timings, finish reason.")
+def run(bundle, prompt, prompt_ids, chat, system, max_new_tokens, temperature, top_k, top_p, seed, stop, as_json):
+    """Generate with a compiled bundle: the text streams to stdout as it is produced, then one line
+    of prefill and decode throughput on stderr. Greedy unless --temperature is above 0."""
+    from .runtimes.chat import encode_prompt, generate_text
+    from .runtimes.tokenizer import bundle_tokenizer
+    if (prompt is None) == (prompt_ids is None):
+        raise K3Error("run: give exactly one of --prompt TEXT and --prompt-ids IDS")
+    if (chat or system or stop) and prompt is None:
+        raise K3Error("run: --chat, --system and --stop take a --prompt TEXT")
+    session, sampler = _open_for_text(bundle, temperature, top_k, top_p, seed)
+    if prompt_ids is not None:
+        if not prompt_ids:
+            raise K3Error("run: --prompt-ids is empty")
+        gen = session.generate(prompt_ids, max_new_tokens, sampler, stop_ids=())
+        text = None
+        if not as_json:
+            click.echo(",".join(map(str, gen.ids)))
+    else:
+        tokenizer = bundle_tokenizer(session.bundle)
+        prompt_ids = encode_prompt(tokenizer, prompt, chat or bool(system), system)
+        text, gen = generate_text(session, tokenizer, prompt_ids, max_new_tokens=max_new_tokens, sampler=sampler,
+                                  stops=stop, write=(lambda _: None) if as_json else _write)
+        if not as_json:
+            click.echo()
+    if as_json:
+        click.echo(json.dumps({"text": text, "ids": gen.ids, "prompt_ids": [int(i) for i in prompt_ids],
+                               "finish_reason": gen.finish_reason, "prefill_s": gen.prefill_s,
+                               "prefill_tok_s": gen.prefill_tok_s, "decode_s": sum(gen.decode_s),
+                               "decode_tok_s": gen.decode_tok_s}))
+    _report(gen, session)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(file_okay=False))
+@click.option("--system", default=None, help="System message.")
+@generation_options(256)
+def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, seed, stop):
+    """Interactive chat: one user turn per line of stdin (an empty line or end of input ends it).
+    The state stays on the device between turns and only the new turn is prefilled."""
+    from .runtimes.chat import Conversation
+    from .runtimes.tokenizer import bundle_tokenizer
+    session, sampler = _open_for_text(bundle, temperature, top_k, top_p, seed)
+    conversation = Conversation(session, bundle_tokenizer(session.bundle), system)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            click.echo("> ", nl=False, err=True)
+        line = sys.stdin.readline()
+        if not line.strip():
+            return
+        _, gen = conversation.turn(line.rstrip("\n"), max_new_tokens=max_new_tokens, sampler=sampler, stops=stop,
+                                   write=_write)
+        click.echo()
+        _report(gen, session)
 
 
 @main.command()

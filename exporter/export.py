@@ -1,11 +1,14 @@
-"""K3Model -> torch.export -> torch-dialect MLIR with two entry points and external parameters.
+"""K3Model -> torch.export -> torch-dialect MLIR with three entry points and external parameters.
 
     prefill(tokens [B, T])          -> (logits [B, T, vocab], hidden [layers, B, T, D], *state)
     decode(token [B, 1], *state)    -> (logits [B, 1, vocab], *state)
+    extend(tokens [B, T], *state)   -> (logits [B, T, vocab], *state)
 
-T is dynamic in [1, max_prompt]; the MLA caches in the state have a dynamic length L (the position
-of the next token), so decode costs grow with the context used. State tensors are flattened in
-K3State field order: every ``kda_conv``, every ``kda_S``, every ``mla_cache``.
+``extend`` continues a sequence by T tokens (chunked prefill: a prompt longer than max_prompt, or a
+new chat turn); it is the prefill graph started from a given state. T is dynamic in [1, max_prompt];
+the MLA caches in the state have a dynamic length L (the position of the next token), so decode
+costs grow with the context used. State tensors are flattened in K3State field order: every
+``kda_conv``, every ``kda_S``, every ``mla_cache``.
 
 Weights become ``util.global`` with ``#flow.parameter.named<"model"::"<checkpoint tensor name>">``
 at the dtype they are stored in (bf16 trunk, u8 MXFP4 experts), widened to the model's compute dtype
@@ -69,6 +72,15 @@ class _Decode(nn.Module):
     def forward(self, token, *flat_state):
         state = pytree.tree_unflatten(list(flat_state), self.spec)
         logits, state = self.net.layers_forward(token, state, True)
+        return logits, *pytree.tree_leaves(state)
+
+
+class _Extend(_Decode):
+    """Prefill's graph (naive MLA, chunked KDA) continued from the given state."""
+
+    def forward(self, tokens, *flat_state):
+        state = pytree.tree_unflatten(list(flat_state), self.spec)
+        logits, state = self.net.layers_forward(tokens, state, False)
         return logits, *pytree.tree_leaves(state)
 
 
@@ -170,7 +182,7 @@ def decompose(program: torch.export.ExportedProgram, table) -> torch.export.Expo
 
 def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch: int = 1,
                  max_prompt: int = 128, log=print) -> ExportedModule:
-    """Export prefill and decode of ``model`` (already in its compute dtype) into one module whose
+    """Export prefill, decode and extend of ``model`` (already in its compute dtype) into one module whose
     parameters are read at ``stored_dtypes`` (checkpoint tensor name -> dtype on disk)."""
     cfg = model.cfg
     prefill, decode, flat, _ = trace_entry_points(model, batch=batch, max_prompt=max_prompt, log=log)
@@ -185,6 +197,7 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
     with context:
         importer.import_program(prefill, func_name="prefill")
         importer.import_program(decode, func_name="decode")
+        importer.import_program(extend, func_name="extend")
     importer.module.operation.verify()
     log(f"imported to torch-dialect MLIR in {time.perf_counter() - t0:.1f}s ({len(hooks.globals)} parameters)")
 
@@ -193,6 +206,8 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         "prefill": f"(tokens [{batch}, T<= {max_prompt}] int64) -> (logits [{batch}, T, {cfg.vocab_size}] f32, "
                    f"hidden [{cfg.num_hidden_layers}, {batch}, T, {cfg.hidden_size}], state...)",
         "decode": f"(token [{batch}, 1] int64, state...) -> (logits [{batch}, 1, {cfg.vocab_size}] f32, state...)",
+        "extend": f"(tokens [{batch}, T<= {max_prompt}] int64, state...) -> (logits [{batch}, T, "
+                  f"{cfg.vocab_size}] f32, state...)",
         "state": shapes,
     }
     return ExportedModule(importer.module, entry_points, max_prompt, batch)

@@ -175,6 +175,7 @@ def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkp
         else:
             ck_dir = checkpoint_dir(checkpoint)
             ck_ref = str(ck_dir)
+        carry_tokenizer(tmp / "tokenizer", None if preset is not None else ck_dir, cfg.vocab_size, log)
         t0 = time.perf_counter()
         model = load_checkpoint(ck_dir, dtype=torch.float32)
         log(f"loaded checkpoint in {time.perf_counter() - t0:.1f}s")
@@ -187,6 +188,27 @@ def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkp
         _seal_bundle(tmp, model, ck_dir, ck_ref, compiled.vmfb, compiled.entry_points, target, max_prompt, log)
     log(f"bundle written to {out} in {time.perf_counter() - t_start:.1f}s")
     return open_bundle(out)
+
+
+def carry_tokenizer(dest: Path, checkpoint: Path | None, vocab_size: int, log) -> None:
+    """The bundle's tokenizer/ (sealed with every other file): the tokenizer files of ``checkpoint``
+    (runtimes/tokenizer.TOKENIZER_FILES), or for a preset (``checkpoint`` None) a byte-level
+    tokenizer. Loaded once here, so a corrupt file fails the build before the compile."""
+    from ..runtimes.tokenizer import TOKENIZER_FILES, load_tokenizer, write_byte_level_tokenizer
+    if checkpoint is None:
+        write_byte_level_tokenizer(dest, vocab_size)
+        tokenizer = load_tokenizer(dest, vocab_size)
+    else:
+        present = [name for name in TOKENIZER_FILES if (checkpoint / name).is_file()]
+        if not any(name in present for name in ("tiktoken.model", "tokenizer.json")):
+            log(f"no tiktoken.model or tokenizer.json in {checkpoint}: the bundle takes token ids only")
+            return
+        tokenizer = load_tokenizer(checkpoint, vocab_size, checkpoint / "config.json")
+        dest.mkdir()
+        for name in present:
+            shutil.copy2(checkpoint / name, dest / name)
+    log(f"tokenizer: {', '.join(tokenizer.files)} (EOS ids {sorted(tokenizer.eos_ids) or 'none'}"
+        f"{', chat template' if tokenizer.chat_template else ''})")
 
 
 def _seal_bundle(tmp: Path, model: K3Model, ck_dir: Path, ck_ref: str, vmfb: bytes, entry_points: dict,

@@ -1,4 +1,5 @@
-"""Session: a bundle loaded on an IREE device; prefill then greedy decode, state kept on the device.
+"""Session: a bundle loaded on an IREE device; prefill (in pieces), extend and decode, the state kept on
+the device; generation with a sampler.
 
 Parameters are read straight from the checkpoint's safetensors files (``iree.runtime.ParameterIndex``,
 scope ``model``), so the module and the weights stay separate files.
@@ -18,11 +19,12 @@ from ..compiler.targets import Target
 
 @dataclass
 class Generation:
-    """Greedy ids (the first comes from prefill) and timings."""
+    """Generated ids (the first comes from prefill), timings and why generation stopped."""
     ids: list[int]
     n_prompt: int
     prefill_s: float
     decode_s: list[float] = field(default_factory=list)
+    finish_reason: str = ""     # eos, stop (a stop string), length (max_new_tokens), context (full)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -85,35 +87,92 @@ class Session:
             raise K3Error(f"run: token id {int(bad[0])} is out of range for vocab_size {self.vocab}")
         return ids
 
-    def prefill(self, prompt_ids) -> tuple[np.ndarray, np.ndarray]:
-        """Start a sequence: logits [T, vocab] and per-layer hidden states [layers, T, D] on the host."""
+    def prefill(self, prompt_ids, last_only: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        """Start a sequence with the prompt: logits [T, vocab] on the host (with ``last_only``, of the
+        last position only, [1, vocab]: the other pieces' logits are not read back), and the per-layer
+        hidden states [layers, T, D] when the prompt fits the ``prefill`` entry point (at most the
+        bundle's max_prompt tokens; None otherwise). A longer prompt is prefilled in pieces of
+        max_prompt, the first by ``prefill``, the others by ``extend`` from the state the piece before
+        left."""
         ids = self.check_ids(prompt_ids)
-        limit = self.bundle.manifest.max_prompt
-        if not 1 <= ids.size <= limit:
-            raise K3Error(f"run: prompt of {ids.size} tokens; this bundle's prefill takes 1 to {limit}")
-        logits, hidden, *self.state = self.program.prefill(ids[None])
-        self.position = ids.size
-        return self.host(logits)[0], self.host(hidden)[:, 0]
+        if ids.size == 0:
+            raise K3Error("run: the prompt is empty")
+        self.state, self.position = None, 0
+        self._check_room(ids.size)
+        first = ids[:self.bundle.manifest.max_prompt]
+        logits, hidden, *self.state = self.program.prefill(first[None])
+        self.position = first.size
+        if first.size == ids.size:
+            logits = self.host(logits)[0]
+            return (logits[-1:] if last_only else logits), self.host(hidden)[:, 0]
+        rest = self.extend(ids[first.size:], last_only)
+        return (rest if last_only else np.concatenate([self.host(logits)[0], rest])), None
+
+    def extend(self, ids, last_only: bool = False) -> np.ndarray:
+        """Continue the sequence by ``ids`` (a chat turn, or the rest of a long prompt), in pieces of
+        at most max_prompt through the ``extend`` entry point: logits [T, vocab] (``last_only``:
+        [1, vocab])."""
+        ids = self.check_ids(ids)
+        if self.state is None:
+            return self.prefill(ids, last_only)[0]
+        if ids.size == 0:
+            raise K3Error("run: nothing to extend the sequence with (no tokens)")
+        if "extend" not in self.bundle.manifest.entry_points:
+            raise K3Error(f"run: {self.bundle.root} has no extend entry point (compiled before chunked "
+                          f"prefill), so it takes at most {self.bundle.manifest.max_prompt} prompt tokens "
+                          "and no chat turns; compile it again")
+        self._check_room(ids.size)
+        pieces = np.array_split(ids, -(-ids.size // self.bundle.manifest.max_prompt))
+        out = []
+        for i, piece in enumerate(pieces):
+            logits, *self.state = self.program.extend(piece[None], *self.state)
+            self.position += piece.size
+            if not last_only or i == len(pieces) - 1:
+                out.append(self.host(logits)[0])
+        return out[0][-1:] if last_only else np.concatenate(out)
+
+    def _check_room(self, n: int) -> None:
+        if self.position == 0 and n > self.max_context:
+            raise K3Error(f"run: the prompt has {n} tokens; the context holds {self.max_context}")
+        if self.position + n > self.max_context:
+            raise K3Error(f"run: {n} more tokens do not fit: the context holds {self.max_context} tokens, "
+                          f"{self.position} used, {self.max_context - self.position} free")
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; logits [vocab]. The state never leaves the device."""
         if self.state is None:
             raise K3Error("run: decode before prefill")
-        if self.position + 1 >= self.max_context:
-            raise K3Error(f"run: context full ({self.max_context} tokens)")
+        if self.position >= self.max_context:
+            raise K3Error(f"run: the context is full: it holds {self.max_context} tokens (prompt and generated)")
         ids = self.check_ids([token])
         logits, *self.state = self.program.decode(ids[None], *self.state)
         self.position += 1
         return self.host(logits)[0, -1]
 
-    def generate(self, prompt_ids, n: int) -> Generation:
-        """Greedy: prefill the prompt, then n decode steps; per-step timings."""
+    def generate(self, prompt_ids, max_new_tokens: int, sampler=None, stop_ids=(), on_token=None,
+                 continue_sequence: bool = False) -> Generation:
+        """Prefill the prompt (or extend the current sequence by it), then choose up to
+        ``max_new_tokens`` tokens with ``sampler`` (greedy without one), feeding each one back.
+        Stops at a token in ``stop_ids`` (kept as the last id), when ``on_token(id)`` returns True
+        (a stop string), or when the context is full: finish_reason eos, stop, length or context.
+        The last id is never fed: the state holds the prompt and every id but the last."""
+        choose = sampler or (lambda logits: int(np.argmax(logits)))
         t0 = time.perf_counter()
-        logits, _ = self.prefill(prompt_ids)
-        gen = Generation([int(logits[-1].argmax())], len(prompt_ids), time.perf_counter() - t0)
-        for _ in range(n - 1):
+        feed = self.extend if continue_sequence else lambda ids, last: self.prefill(ids, last)[0]
+        logits = feed(prompt_ids, True)[-1]
+        gen = Generation([], len(prompt_ids), time.perf_counter() - t0)
+        while True:
+            gen.ids.append(choose(logits))
+            if gen.ids[-1] in stop_ids:
+                gen.finish_reason = "eos"
+            elif on_token is not None and on_token(gen.ids[-1]):
+                gen.finish_reason = "stop"
+            elif len(gen.ids) >= max_new_tokens:
+                gen.finish_reason = "length"
+            elif self.position + 1 >= self.max_context:   # the sequence with this id fills the context
+                gen.finish_reason = "context"
+            if gen.finish_reason:
+                return gen
             t0 = time.perf_counter()
             logits = self.decode(gen.ids[-1])
             gen.decode_s.append(time.perf_counter() - t0)
-            gen.ids.append(int(logits.argmax()))
-        return gen

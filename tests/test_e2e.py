@@ -152,7 +152,7 @@ def test_emit_mlir_custom_ops_then_their_implementations(k3c_cache, tmp_path):
     r = k3c("export", "--preset", "k3-tiny", "--max-prompt", 128, "--emit-mlir", tmp_path, cache=k3c_cache)
     assert r.returncode == 0, r.stderr
     before, after = (tmp_path / "torch.mlir").read_text(), (tmp_path / "lowered.mlir").read_text()
-    for op, count in (("kda_chunk", n_kda), ("kda_step", n_kda), ("mxfp4_moe", 2 * n_moe)):
+    for op, count in (("kda_chunk", 2 * n_kda), ("kda_step", n_kda), ("mxfp4_moe", 3 * n_moe)):  # prefill, extend
         assert before.count(f'torch.operator "torch.k3.{op}"') == count, op
     assert "torch.k3." not in after
 
@@ -160,6 +160,7 @@ def test_emit_mlir_custom_ops_then_their_implementations(k3c_cache, tmp_path):
     called = lambda caller, prefix: [c for f, c, _ in calls if f == caller and c.startswith(prefix)]  # noqa: E731
     assert len(called("prefill", "k3_kda_chunk_")) == n_kda and not called("decode", "k3_kda_chunk_")
     assert len(called("decode", "k3_kda_step_")) == n_kda and not called("prefill", "k3_kda_step_")
+    assert len(called("extend", "k3_kda_chunk_")) == n_kda and not called("extend", "k3_kda_step_")
     assert len(called("prefill", "k3_mxfp4_moe_")) == len(called("decode", "k3_mxfp4_moe_")) == n_moe
 
     (impl,) = set(called("prefill", "k3_kda_chunk_"))

@@ -1,0 +1,108 @@
+"""Chat templates: a checkpoint's Jinja template rendered the way transformers'
+``apply_chat_template`` renders it (docs: https://huggingface.co/docs/transformers/chat_templating):
+a sandboxed, immutable jinja2 environment with ``trim_blocks`` and ``lstrip_blocks``, the
+``loopcontrols`` extension, a ``tojson`` filter that keeps non-ASCII text, ``raise_exception`` and
+``strftime_now``; the template sees ``messages``, ``add_generation_prompt``, ``tools`` and
+``documents`` (None) and the special tokens (``bos_token``, ``eos_token``, ...) of
+tokenizer_config.json.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+
+from ..errors import K3Error
+
+
+def _raise(message):
+    import jinja2
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=4)
+def _compile(template: str):
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env.from_string(template)
+
+
+def render_chat(template: str | None, messages: list[dict], special_tokens: dict[str, str],
+                add_generation_prompt: bool = True) -> str:
+    """The prompt text of ``messages`` ([{"role": ..., "content": ...}]); K3Error if the checkpoint
+    has no template or it fails to compile or render (its own raise_exception included)."""
+    import jinja2
+    if not template:
+        raise K3Error("chat: this bundle's tokenizer has no chat template (chat_template.jinja or the "
+                      "chat_template field of tokenizer_config.json)")
+    try:
+        return _compile(template).render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **special_tokens)
+    except jinja2.TemplateError as e:
+        where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise K3Error(f"chat: the chat template fails to render{where}: {e.message or type(e).__name__}") from None
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+    """The ids of a plain prompt, or with ``chat`` of one user turn (after ``system``, if given)
+    rendered with the checkpoint's chat template, generation prompt included."""
+    if not chat:
+        return tokenizer.encode(prompt)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tokenizer.encode(render_chat(tokenizer.chat_template, messages, tokenizer.special_tokens), chat=True)
+
+
+def generate_text(session, tokenizer, prompt_ids: list[int], *, max_new_tokens: int, sampler=None,
+                  stops: tuple[str, ...] = (), write=lambda text: None, continue_sequence: bool = False):
+    """Generate from ``prompt_ids`` (Session.generate), stopping at the tokenizer's EOS ids and at
+    ``stops``; ``write`` gets the text as it is produced. Returns (text, Generation)."""
+    from .tokenizer import TextStream
+    stream = TextStream(tokenizer, stops)
+
+    def on_token(token: int) -> bool:
+        text, stopped = stream.feed(token)
+        write(text)
+        return stopped
+
+    gen = session.generate(prompt_ids, max_new_tokens, sampler, tokenizer.eos_ids, on_token, continue_sequence)
+    write(stream.finish())
+    return stream.text, gen
+
+
+class Conversation:
+    """A chat whose state stays on the device between turns. Each turn renders the whole
+    conversation; when that text begins with the text the state already holds (the previous prompt
+    and the reply as generated), only the rest is encoded and fed through ``extend`` after the
+    reply's last id (which generation never feeds); otherwise (a template that rewrites earlier
+    turns, a reply cut at a stop string) the whole conversation is prefilled again."""
+
+    def __init__(self, session, tokenizer, system: str | None = None):
+        self.session, self.tokenizer = session, tokenizer
+        self.messages = [{"role": "system", "content": system}] if system else []
+        self.state_text = ""
+        self.last_id: int | None = None
+
+    def prompt(self, user: str) -> tuple[str, list[int], bool]:
+        """Add the user's turn: (the rendered conversation, the ids to feed, whether they continue
+        the current state)."""
+        self.messages.append({"role": "user", "content": user})
+        text = render_chat(self.tokenizer.chat_template, self.messages, self.tokenizer.special_tokens)
+        if self.last_id is not None and text.startswith(self.state_text):
+            return text, [self.last_id] + self.tokenizer.encode(text[len(self.state_text):], chat=True), True
+        return text, self.tokenizer.encode(text, chat=True), False
+
+    def turn(self, user: str, **generate):
+        """One exchange: the reply streamed through ``generate['write']``; (reply, Generation)."""
+        text, ids, continues = self.prompt(user)
+        reply, gen = generate_text(self.session, self.tokenizer, ids, continue_sequence=continues, **generate)
+        self.state_text = text + self.tokenizer.decode(gen.ids)
+        self.last_id = gen.ids[-1]
+        self.messages.append({"role": "assistant", "content": reply})
+        return reply, gen
