@@ -5,6 +5,8 @@
     BUNDLE/module.vmfb     the compiled module (weights are parameters, never constants)
     BUNDLE/checkpoint/     the checkpoint the parameters are read from (when the bundle owns it)
     BUNDLE/reference.npz   PyTorch outputs for the validation prompt
+    BUNDLE/weights.irpa    the checkpoint packed in the program's layout (artifacts/pack.py): what
+                           the module's parameters are read from (ONNX bundles read the checkpoint)
 
 Bundles are written into a temporary sibling directory and renamed into place, so a reader never
 sees a half-written bundle. Opening one checks, before anything runs: every manifest field's type;
@@ -28,7 +30,7 @@ from ..utils.files import digest_of, files_under, hash_dir, inside, recover, sha
 
 MANIFEST = "manifest.json"
 FORMAT = 2          # 2: entry points carry module_facts
-MODULE, REFERENCE = "module.vmfb", "reference.npz"
+MODULE, REFERENCE, ARCHIVE = "module.vmfb", "reference.npz", "weights.irpa"
 ENTRY_POINTS = ("prefill", "decode")
 PACKAGES = ("k3c", "torch", "torch-mlir", "iree-base-compiler", "iree-base-runtime")
 
@@ -132,6 +134,14 @@ class Bundle:
     @property
     def reference_path(self) -> Path:
         return self.root / REFERENCE
+
+    @property
+    def parameter_files(self) -> list[Path]:
+        """What the module's parameters are read from: the packed archive, or (a bundle from ONNX,
+        whose parameters are the checkpoint's own tensors) the checkpoint's safetensors files."""
+        from ..model.checkpoint import checkpoint_files
+        archive = self.root / ARCHIVE
+        return [archive] if ARCHIVE in self.manifest.files else checkpoint_files(self.checkpoint_dir)
 
 
 def open_bundle(path: str | Path) -> Bundle:

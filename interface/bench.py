@@ -182,7 +182,7 @@ def synthetic_state(model: K3Model, cached: int, seed: int = 0) -> K3State:
 
 # ---- sections -----------------------------------------------------------------------------------
 def active_weight_bytes(cfg: K3Config) -> int:
-    """Weight bytes a decode token reads, as stored (spec §6): everything but the embedding table
+    """Weight bytes a decode token reads, as stored (docs/model.md §6): everything but the embedding table
     (one row is looked up) and the routed experts, plus the top-k experts of each MoE layer."""
     f = account(cfg)
     b = f["bytes_by_component"]

@@ -24,7 +24,8 @@ from ..model.convert import save_checkpoint
 from ..model.init import init_weights
 from ..compiler.targets import Target, compile_mlir
 from ..utils.files import atomic_dir, check_output, hash_dir, seal_entry, verified_entry
-from ..artifacts.bundle import ENTRY_POINTS, Bundle, Manifest, module_facts, open_bundle, package_versions, seal, stored_dtypes
+from ..artifacts.pack import pack
+from ..artifacts.bundle import ARCHIVE, ENTRY_POINTS, Bundle, Manifest, module_facts, open_bundle, package_versions, seal, stored_dtypes
 
 PROMPT_LEN = 24
 DECODE_STEPS = 8
@@ -174,7 +175,7 @@ def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkp
             ck_dir, ck_ref = tmp / "checkpoint", "checkpoint"
         else:
             ck_dir = checkpoint_dir(checkpoint)
-            ck_ref = str(ck_dir)
+            ck_ref, cfg = str(ck_dir), K3Config.from_hf(ck_dir)
         carry_tokenizer(tmp / "tokenizer", None if preset is not None else ck_dir, cfg.vocab_size, log)
         t0 = time.perf_counter()
         model = load_checkpoint(ck_dir, dtype=torch.float32)
@@ -185,6 +186,7 @@ def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkp
             model = load_checkpoint(ck_dir, dtype=torch.float32)  # the reference runs what the module reads
             log("converted the checkpoint to k3c tensor names inside the bundle")
         compiled = compile_model(model, stored_dtypes(ck_dir), target, max_prompt=max_prompt, log=log)
+        pack(ck_dir, tmp / ARCHIVE, log=log)
         _seal_bundle(tmp, model, ck_dir, ck_ref, compiled.vmfb, compiled.entry_points, target, max_prompt, log)
     log(f"bundle written to {out} in {time.perf_counter() - t_start:.1f}s")
     return open_bundle(out)

@@ -87,11 +87,24 @@ def stacked_name(group: str, name: str) -> str:
     return f"layers.{group}.{name}"
 
 
-def program_name(cfg: K3Config, module_name: str) -> tuple[str, int | None]:
+def program_name(places: list[tuple[str, int]], module_name: str) -> tuple[str, int | None]:
     """A K3Model tensor name -> (the program's parameter name, the layer's index in its group, or
-    None for a tensor outside the layers)."""
+    None for a tensor outside the layers); ``places`` is ``place(cfg)``."""
     m = LAYER.fullmatch(module_name)
     if m is None:
         return module_name, None
-    group, index = place(cfg)[int(m["i"])]
+    group, index = places[int(m["i"])]
     return stacked_name(group, m["rest"]), index
+
+
+def program_dtypes(cfg: K3Config, stored: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
+    """The stored dtype of each program parameter, from the checkpoint's (checkpoint name -> dtype).
+    The layers stacked into one parameter must agree."""
+    out: dict[str, torch.dtype] = {}
+    places = place(cfg)
+    for name, dtype in stored.items():
+        m = EXPERT.fullmatch(name)
+        program, _ = program_name(places, f"{m['head']}.{m['tail']}" if m else name)
+        if out.setdefault(program, dtype) != dtype:
+            raise ValueError(f"tensor '{name}' is stored as {dtype}, other layers of {program} as {out[program]}")
+    return out

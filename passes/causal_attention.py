@@ -1,4 +1,4 @@
-"""``torch.k3.causal_attention`` (model/ops.py; the MLA prefill, spec §2) as a loop over static
+"""``torch.k3.causal_attention`` (model/ops.py; the MLA prefill, docs/model.md §2) as a loop over static
 query blocks: for a dynamic T, IREE 3.13's llvm-cpu softmax over rows of dynamic length recomputes
 the row maximum inside its exp-sum loop, ~110 ns per score at T = 2048, and the whole [H, T, T]
 score matrix is materialised (../shared/notes/attention-cpu.md: 0.14x eager at 2048 tokens).

@@ -1,4 +1,4 @@
-"""MXFP4 matrix-vector products on the CPU that stream the packed weights (spec §5), for the decode
+"""MXFP4 matrix-vector products on the CPU that stream the packed weights (docs/model.md §5), for the decode
 form of ``torch.k3.mxfp4_moe``: the checkpoint layout as it is, no repack, no dequantised copy.
 
     y[o] = sum_b 2^(S[o, b] - 127) * sum_j (E2M1[P[o, b, j] & 15] x[32b + 2j] + E2M1[P[o, b, j] >> 4] x[32b + 2j + 1])

@@ -9,6 +9,7 @@ from iree.compiler import ir
 
 from ..errors import K3Error
 from . import causal_attention, expert_loops, lowerings
+from .layer_calls import call_layer_bodies
 from .rewrite import custom_ops, lower_custom_op
 
 
@@ -54,12 +55,14 @@ class Pipeline:
         return "\n".join(f"{r.op:24s} -> {r.doc}" for r in self.rewrites)
 
     def run(self, module: ir.Module, log=print) -> dict[str, int]:
-        counts = {}
+        t0 = time.perf_counter()
+        counts = {"layer calls": call_layer_bodies(module)}
+        log(f"layer placeholders: {counts['layer calls']} calls of the layer bodies in {time.perf_counter() - t0:.1f}s")
         for r in self.rewrites:
             t0 = time.perf_counter()
             counts[r.op] = lower_custom_op(module, r.op, r.generator)
             log(f"{r.op}: {counts[r.op]} replaced in {time.perf_counter() - t0:.1f}s")
-        left = sorted({name for name, _ in custom_ops(module)})
+        left = sorted({name for prefix in ("torch.k3.", "torch.k3x.") for name, _ in custom_ops(module, prefix)})
         if left:
             raise K3Error(f"passes: no lowering for custom op(s) {', '.join(left)}")
         module.operation.verify()

@@ -1,7 +1,7 @@
 """Session: a bundle loaded on an IREE device; prefill (in pieces), extend and decode, the state kept on
 the device; generation with a sampler.
 
-Parameters are read straight from the checkpoint's safetensors files (``iree.runtime.ParameterIndex``,
+Parameters are read from the bundle's packed archive (or an ONNX bundle's checkpoint) (``iree.runtime.ParameterIndex``,
 scope ``model``), so the module and the weights stay separate files.
 """
 from __future__ import annotations
@@ -51,7 +51,6 @@ class Session:
         import iree.runtime as rt
 
         from ..compiler.devices import check_device
-        from ..model.checkpoint import checkpoint_files
         from .readback import read_back
 
         m = bundle.manifest
@@ -65,7 +64,7 @@ class Session:
         except (RuntimeError, ValueError) as e:
             raise K3Error(f"run: cannot open IREE driver {m.target['driver']!r} for {m.target['name']}: {e}") from None
         index = rt.ParameterIndex()
-        for f in checkpoint_files(bundle.checkpoint_dir):
+        for f in bundle.parameter_files:
             index.load(str(f))
         params = rt.create_io_parameters_module(self.config.vm_instance, index.create_provider(scope="model"))
         module = rt.VmModule.copy_buffer(self.config.vm_instance, bundle.module_path.read_bytes())

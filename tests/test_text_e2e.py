@@ -50,8 +50,8 @@ def kimi_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def kimi_bundle(tmp_path_factory, k3c_cache, kimi_checkpoint):
-    from k3c.artifacts.build import build_bundle
-    from k3c.runtimes.targets import parse_target
+    from k3c.interface.build import build_bundle
+    from k3c.compiler.targets import parse_target
     with pytest.MonkeyPatch.context() as env:
         env.setenv("K3C_CACHE", str(k3c_cache))
         return build_bundle(tmp_path_factory.mktemp("bundles") / "kimi16", parse_target("cpu"),

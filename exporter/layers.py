@@ -1,0 +1,144 @@
+"""The decoder body written once per layer group, over stacked weights (docs/pipeline.md, "Depth").
+
+The exported entry points call one placeholder op per layer, ``torch.ops.k3x.kda_layer`` or
+``k3x.mla_layer`` (``k3x.mla_layer_start`` where an MLA layer starts a sequence), with the layer's
+activations, its state and ``at`` = [n, close, j] (int64): the bank row of p, whether the layer closes
+a block, and its index in its group. (One tensor: IREE 3.13's interprocedural pass mixed up the
+arguments when they came as three scalars that coincide at some calls.) Each group's body (``LayerBody``) is exported on
+its own: its weights are stacked parameters ``layers.<group>.<name>`` [n_layers, ...] (model/stacking.py)
+and it slices layer ``j`` out of them. passes/layer_calls.py turns every placeholder into a call of
+that body, kept out of line, so iree-compile sees each body once however deep the model is.
+
+The bank of Block Attention Residuals (docs/model.md §3) travels as one tensor E [R, B, T, D]: the
+caller writes the running partial sum p at row n (the number of closed blocks) before each layer.
+The body reads sources rows <= n (the closed blocks and p) for the attention's input; a layer that
+closes a block (``close`` = 1) keeps p as a bank row and starts p afresh from the attention output,
+so its FFN input mixes rows <= n and the new p; otherwise rows < n and p + attention output.
+Rows beyond the sources are masked out of the softmax. Without AttnRes (Kimi Linear) E has one row.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..model import K3Model
+from ..model.attnres import score
+from ..model.norms import upcast
+from ..model.stacking import LayerGroup, stacked_name
+
+BODIES: dict[str, "LayerBody"] = {}  # body key -> body; the placeholders' eager kernels run these
+
+
+@torch.library.custom_op("k3x::kda_layer", mutates_args=())
+def kda_layer(E: Tensor, at: Tensor, conv: Tensor, S: Tensor, body: str) -> tuple[Tensor, Tensor, Tensor]:
+    """One KDA layer of a group: (E, at, conv [B, 3, HK, W-1], S [B, H, K, V]) -> (p, conv, S)."""
+    return tuple(t.clone() for t in BODIES[body](E, at, conv, S))
+
+
+@kda_layer.register_fake
+def _(E, at, conv, S, body):
+    return E.new_empty(E.shape[1:]), torch.empty_like(conv), torch.empty_like(S)
+
+
+@torch.library.custom_op("k3x::mla_layer", mutates_args=())
+def mla_layer(E: Tensor, at: Tensor, cache: Tensor, body: str) -> tuple[Tensor, Tensor]:
+    """One MLA layer continuing a sequence: cache [B, L, W] of the tokens before -> (p, cache [B, L + T, W])."""
+    return tuple(t.clone() for t in BODIES[body](E, at, cache))
+
+
+@mla_layer.register_fake
+def _(E, at, cache, body):
+    B, L, W = cache.shape
+    return E.new_empty(E.shape[1:]), cache.new_empty(B, L + E.shape[2], W)
+
+
+@torch.library.custom_op("k3x::mla_layer_start", mutates_args=())
+def mla_layer_start(E: Tensor, at: Tensor, width: int, body: str) -> Tensor:
+    """One MLA layer starting a sequence (no cache before) -> [p | cache], [B, T, D + width]: one
+    result, because IREE 3.13's interprocedural pass loses the size of a second result of the
+    same dynamic length ("operand is unlinked")."""
+    return BODIES[body](E, at)[0].clone()
+
+
+@mla_layer_start.register_fake
+def _(E, at, width, body):
+    return E.new_empty(E.shape[1], E.shape[2], E.shape[3] + width)
+
+
+def attn_res_masked(V: Tensor, valid: Tensor, w: Tensor, gamma: Tensor) -> Tensor:
+    """AttnRes (docs/model.md §3) over the rows of V [R, B, T, D] where ``valid`` [R] is true."""
+    s = score(V, w, gamma).masked_fill(~valid.view(-1, 1, 1), -torch.inf)
+    alpha = s.softmax(dim=0)
+    return (alpha.unsqueeze(-1) * upcast(V)).sum(0).to(V.dtype)
+
+
+class LayerStep(nn.Module):
+    """One decoder layer as a function of the bank tensor (module docstring); its weights are the
+    template layer's, replaced by the body with layer j's slices."""
+
+    def __init__(self, model: K3Model, layer: int, decode: bool):
+        super().__init__()
+        self.layer, self.decode, self.attn_res = model.model.layers[layer], decode, model.cfg.uses_attn_res
+
+    def forward(self, E, at, *state):
+        layer, n, close = self.layer, at[0], at[1]
+        p = E.index_select(0, n.reshape(1)).squeeze(0)
+        rows = torch.arange(E.shape[0], device=E.device)
+        x = attn_res_masked(E, rows <= n, layer.self_attention_res_proj.weight,
+                            layer.self_attention_res_norm.weight) if self.attn_res else p
+        h = layer.input_layernorm(x)
+        if layer.kind == "kda":
+            conv, S = state
+            a, conv_out, S = layer.self_attn(h, conv.unbind(1), S, self.decode)
+            new_state = (torch.stack(conv_out, dim=1), S)
+        else:
+            a, cache = layer.self_attn(h, state[0] if state else None, self.decode)
+            new_state = (cache,)
+        if not self.attn_res:
+            p = p + a
+            return self.results(p + layer.ffn(p), new_state, state)
+        keep = 1 - close.to(p.dtype)
+        p = a + keep * p                                   # closing: p restarts from a; else p + a
+        V = torch.cat((E, p.unsqueeze(0)), dim=0)
+        valid = torch.cat((rows < n + close, rows.new_ones(1, dtype=torch.bool)))
+        x = attn_res_masked(V, valid, layer.mlp_res_proj.weight, layer.mlp_res_norm.weight)
+        return self.results(p + layer.ffn(x), new_state, state)
+
+    def results(self, p, new_state, state):
+        """(p, *state), or (p | cache,) for an MLA layer that starts a sequence (mla_layer_start)."""
+        if self.layer.kind == "mla" and not state:
+            return (torch.cat((p, new_state[0].to(p.dtype)), dim=-1),)
+        return (p, *new_state)
+
+
+class LayerBody(nn.Module):
+    """Every layer of ``group`` as one function of the layer index j = at[2]: weights stacked
+    [n, ...] as buffers ``w0, w1, ...`` (``names[i]`` is the per-layer tensor name of ``w{i}``), at
+    their stored dtypes (``stored``: program parameter -> dtype), widened after layer j is sliced.
+    With ``weights`` the buffers hold the model's weights stacked (to run it eagerly); otherwise they
+    live on the meta device (to export it)."""
+
+    def __init__(self, model: K3Model, group: LayerGroup, decode: bool, stored: dict | None = None,
+                 weights: bool = False):
+        super().__init__()
+        self.step = LayerStep(model, group.layers[0], decode)
+        self.group = group
+        layers = model.model.layers
+        self.names = list(self.step.layer.state_dict())
+        self.dtypes = [t.dtype for t in self.step.layer.state_dict().values()]
+        for i, name in enumerate(self.names):
+            parts = [layers[l].state_dict()[name] for l in group.layers]
+            dtype = (stored or {}).get(stacked_name(group.name, name), parts[0].dtype)
+            self.register_buffer(f"w{i}", torch.stack(parts).to(dtype) if weights else
+                                 torch.empty(len(parts), *parts[0].shape, dtype=dtype, device="meta"))
+        object.__setattr__(self, "template", self.step)  # the template's own weights are never lifted
+        del self.step
+
+    def parameter_names(self) -> dict[str, str]:
+        """Exported buffer name -> the program's parameter name."""
+        return {f"w{i}": stacked_name(self.group.name, name) for i, name in enumerate(self.names)}
+
+    def forward(self, E, at, *state):
+        weights = {f"layer.{name}": getattr(self, f"w{i}").index_select(0, at[2:]).squeeze(0).to(dtype)
+                   for i, (name, dtype) in enumerate(zip(self.names, self.dtypes))}
+        return torch.func.functional_call(self.template, weights, (E, at, *state), strict=True)
