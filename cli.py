@@ -224,8 +224,11 @@ def one_source(preset, checkpoint):
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None, help="Output directory.")
 @click.option("--emit-mlir", type=click.Path(file_okay=False), default=None,
               help="Same as --format mlir -o DIR.")
+@click.option("--config", "config_dir", type=click.Path(), default=None,
+              help="Export for the config.json in this directory (no weights needed).")
+@click.option("--target", default="cpu", show_default=True, help="Whose passes lowered.mlir shows (--format mlir).")
 @FORCE
-def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir, force):
+def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir, config_dir, target, force):
     """Export prefill/decode: to torch-dialect MLIR, running the passes (--format mlir), or to ONNX with
     the weights as external data in the checkpoint written beside the models (--format onnx)."""
     preset, checkpoint = one_source(preset, checkpoint)
@@ -241,20 +244,13 @@ def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir, force):
         export_onnx(Path(out), preset=preset, checkpoint=Path(checkpoint) if checkpoint else None, seed=seed,
                     max_prompt=max_prompt, log=log)
         return
-    import torch
-    from .interface.build import lower_model, stored_dtypes
-    from .model import K3Model
-    from .model.checkpoint import load_checkpoint, stored_dtype
-    from .model.init import init_weights
-    from .passes.pipeline import Pipeline
-    if checkpoint:
-        model, dtypes = load_checkpoint(checkpoint), stored_dtypes(Path(checkpoint))
-    else:
-        model = init_weights(K3Model(load_config(preset, None)), seed)
-        dtypes = {k: stored_dtype(k, t) for k, t in model.state_dict().items()}
-    log("passes:\n" + Pipeline().describe())
-    with torch.no_grad(), spinner("export: current step"):
-        lower_model(model, dtypes, max_prompt=max_prompt, emit_mlir=Path(out), log=log)
+    from .compiler.targets import parse_target
+    tgt = parse_target(target)
+    from .interface.build import export_mlir, stored_dtypes
+    cfg = load_config(None if config_dir else preset, config_dir or checkpoint)
+    dtypes = stored_dtypes(Path(checkpoint)) if checkpoint else None
+    with spinner("export: current step"):
+        export_mlir(Path(out), cfg, tgt, dtypes=dtypes, max_prompt=max_prompt, force=force, log=log)
 
 
 @main.command("compile")
@@ -264,13 +260,45 @@ def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir, force):
 @click.option("--onnx", "onnx_dir", type=click.Path(file_okay=False), default=None,
               help="Compile an ONNX export directory (k3c export --format onnx) instead of --preset/--checkpoint; "
                    "its weights and max prompt come with it.")
+@click.option("--config", "config_dir", type=click.Path(), default=None,
+              help="Compile for the config.json in this directory (with --no-weights).")
+@click.option("--no-weights", is_flag=True,
+              help="Write the module and manifest only: no checkpoint, packed weights or reference outputs "
+                   "(built from shapes on the meta device; the way to compile the full k3).")
 @FORCE
-def compile_cmd(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, force):
-    """Compile a checkpoint or preset for a target; writes a bundle (manifest, module, checkpoint, reference.npz).
-    The default output out/<name>-<target> is replaced without --force; a directory given with -o needs it."""
+def compile_cmd(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, config_dir, no_weights, force):
+    """Compile a checkpoint or preset for a target; writes a bundle (manifest, module, packed weights,
+    checkpoint, reference.npz). The default output out/<name>-<target> is replaced without --force; a
+    directory given with -o needs it."""
+    if no_weights or config_dir:
+        if onnx_dir or not no_weights:
+            raise K3Error("compile: --config takes --no-weights (a config has no weights), and --onnx does not")
+        from .compiler.targets import parse_target
+        tgt = parse_target(target)
+        from .interface.build import build_module_only
+        cfg = load_config(None if config_dir else preset, config_dir or checkpoint)
+        name = Path(config_dir or checkpoint or "").name or preset or "k3-tiny"
+        out = Path(output) if output else Path("out") / f"{name}-{tgt.name.replace(':', '-')}-module"
+        with spinner("compile: current step"):
+            click.echo(str(build_module_only(out, cfg, tgt, max_prompt=max_prompt, force=force or not output,
+                                             log=log)))
+        return
     with spinner("compile: current step"):
         bundle = _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, force)
     click.echo(str(bundle.root))
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(file_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="The .irpa archive to write.")
+def pack(checkpoint, output):
+    """Write a checkpoint's weights as an IREE parameter archive in the compiled program's layout
+    (each tensor kind stacked over its layers, experts stacked), streaming one tensor at a time."""
+    from .artifacts.pack import pack as pack_archive
+    from .model.checkpoint import checkpoint_dir
+    if Path(output).exists():
+        raise K3Error(f"pack: {output} exists; k3c does not replace a file it did not just write")
+    pack_archive(checkpoint_dir(checkpoint), Path(output), log=log)
 
 
 def _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir=None, force=False):

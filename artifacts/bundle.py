@@ -158,6 +158,9 @@ def open_bundle(path: str | Path) -> Bundle:
         raw = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise K3Error(f"bundle: {mpath} is not valid JSON ({e})") from None
+    if isinstance(raw, dict) and raw.get("checkpoint") == "":
+        raise K3Error(f"bundle: {root} was compiled with --no-weights (module and manifest only); "
+                      f"compile with --checkpoint or --preset to run it")
     if isinstance(raw, dict) and raw.get("format", FORMAT) != FORMAT:
         raise K3Error(f"bundle: {root} has format {raw['format']}, this k3c reads format {FORMAT} (compile it again)")
     try:

@@ -15,6 +15,7 @@ import functools
 import os
 import signal
 import subprocess
+import resource
 import time
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -95,7 +96,7 @@ def compile_mlir(mlir: str, target: Target, log=print) -> bytes:
     from iree.compiler.tools.core import CompilerOptions, build_compile_command_line
     from iree.compiler.tools.debugging import TempFileSaver
 
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     with TempFileSaver.implicit() as tfs:
         command = build_compile_command_line("-", tfs, CompilerOptions(input_type="torch",
                                                                          extra_args=list(target.flags)))
@@ -107,7 +108,10 @@ def compile_mlir(mlir: str, target: Target, log=print) -> bytes:
         first = next((line for line in lines if "error:" in line), lines[0])
         raise K3Error(f"compile: iree-compile failed for {target.name}: {first.strip()[:300]}")
     vmfb = done.stdout
-    log(f"iree-compile for {target.name}: {len(vmfb) / 1e6:.2f} MB in {time.perf_counter() - t0:.1f}s")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    log(f"iree-compile for {target.name}: {len(vmfb) / 1e6:.2f} MB in {time.perf_counter() - t0:.1f}s "
+        f"({cpu:.1f}s CPU, peak RSS of compiler children so far {after.ru_maxrss / 1024:.0f} MiB)")
     return vmfb
 
 

@@ -363,6 +363,7 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         for name, program in programs.items():
             hooks.names = {n: n for n, _ in Program(model, name).named_parameters()}
             importer.import_program(program, func_name=name)
+    meta_devices_to_cpu(importer.module)
     importer.module.operation.verify()
     timings["import_s"] = time.perf_counter() - t0
     log(f"imported to torch-dialect MLIR in {timings['import_s']:.1f}s ({len(hooks.globals)} parameters)")
@@ -377,6 +378,21 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         "state": shapes,
     }
     return ExportedModule(importer.module, entry_points, hooks.globals, max_prompt, batch, timings)
+
+
+def meta_devices_to_cpu(module: ir.Module) -> None:
+    """The programs are traced on the meta device, which the graph keeps as ``torch.constant.device
+    "meta"`` on the tensors it creates; torch-mlir lowers only host devices, and the device means
+    nothing to iree-compile, so each becomes "cpu"."""
+    with module.context:
+        cpu = ir.StringAttr.get("cpu")
+
+        def visit(op):
+            if op.name == "torch.constant.device" and ir.StringAttr(op.attributes["value"]).value == "meta":
+                op.attributes["value"] = cpu
+            return ir.WalkResult.ADVANCE
+
+        module.operation.walk(visit)
 
 
 def body_function(key: str) -> str:

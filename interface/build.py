@@ -19,7 +19,8 @@ import torch
 
 from ..errors import K3Error
 from ..model import K3Config, K3Model
-from ..model.checkpoint import TORCH_DTYPES, checkpoint_dir, load_checkpoint, open_checked
+from ..model.checkpoint import TORCH_DTYPES, checkpoint_dir, load_checkpoint, open_checked, stored_dtype
+from ..model.stacking import to_checkpoint
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
 from ..compiler.targets import Target, compile_mlir
@@ -176,10 +177,10 @@ def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkp
         else:
             ck_dir = checkpoint_dir(checkpoint)
             ck_ref, cfg = str(ck_dir), K3Config.from_hf(ck_dir)
-        carry_tokenizer(tmp / "tokenizer", None if preset is not None else ck_dir, cfg.vocab_size, log)
         t0 = time.perf_counter()
         model = load_checkpoint(ck_dir, dtype=torch.float32)
         log(f"loaded checkpoint in {time.perf_counter() - t0:.1f}s")
+        carry_tokenizer(tmp / "tokenizer", None if preset is not None else ck_dir, cfg.vocab_size, log)
         if not open_checked(ck_dir)[1].in_model_layout:  # the module reads K3Model's names and shapes
             save_checkpoint(model, tmp / "checkpoint")       # k3c's layout: read back as it is written
             ck_dir, ck_ref = tmp / "checkpoint", "checkpoint"
@@ -190,6 +191,60 @@ def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkp
         _seal_bundle(tmp, model, ck_dir, ck_ref, compiled.vmfb, compiled.entry_points, target, max_prompt, log)
     log(f"bundle written to {out} in {time.perf_counter() - t_start:.1f}s")
     return open_bundle(out)
+
+
+def meta_model(cfg: K3Config) -> K3Model:
+    """K3Model of ``cfg`` on the meta device: what export needs (shapes, never weights)."""
+    with torch.device("meta"):
+        return K3Model(cfg).eval()
+
+
+def published_dtypes(cfg: K3Config) -> dict[str, torch.dtype]:
+    """Checkpoint tensor name -> the dtype a checkpoint of ``cfg`` stores it in (model/checkpoint.py
+    ``stored_dtype``), for a module compiled without a checkpoint."""
+    return {k: stored_dtype(k, t) for k, t in to_checkpoint(meta_model(cfg).state_dict()).items()}
+
+
+def export_mlir(out: Path, cfg: K3Config, target: Target, *, dtypes: dict[str, torch.dtype] | None = None,
+                max_prompt: int, force: bool, log=print) -> None:
+    """``out``/torch.mlir (the exported module) and lowered.mlir (after ``target``'s passes, what
+    iree-compile gets), from shapes only: the model is built on the meta device."""
+    from ..passes.pipeline import Pipeline
+
+    check_output(out, force=force)
+    peak0, t0 = _peak_rss(), time.perf_counter()
+    module, _ = export_cached(meta_model(cfg), dtypes or published_dtypes(cfg), max_prompt=max_prompt, log=log)
+    before = str(module)
+    Pipeline.for_target(target).run(module, log=log)
+    with atomic_dir(out, force=force) as tmp:
+        (tmp / "torch.mlir").write_text(before)
+        (tmp / "lowered.mlir").write_text(str(module))
+    log(f"wrote {out / 'torch.mlir'} (before passes) and {out / 'lowered.mlir'} (after, for {target.name}) "
+        f"in {time.perf_counter() - t0:.1f}s, peak RSS {max(peak0, _peak_rss()) / 2**20:.0f} MiB")
+
+
+def build_module_only(out: Path, cfg: K3Config, target: Target, *, max_prompt: int, force: bool,
+                      log=print) -> Path:
+    """``k3c compile --no-weights``: the module and a manifest, no checkpoint, archive or reference
+    outputs; compiled from shapes only (the meta device), with the published stored dtypes."""
+    check_output(out, force=force)
+    t0 = time.perf_counter()
+    dtypes = published_dtypes(cfg)
+    compiled = compile_model(meta_model(cfg), dtypes, target, max_prompt=max_prompt, log=log)
+    with atomic_dir(out, force=force) as tmp:
+        (tmp / "module.vmfb").write_bytes(compiled.vmfb)
+        manifest = Manifest(config=cfg.to_dict(), config_hash=cfg.hash, checkpoint_hash="", checkpoint="",
+                            target=target.to_dict(), entry_points=compiled.entry_points, batch=1,
+                            max_prompt=max_prompt)
+        seal(tmp, manifest)
+    log(f"module for {cfg.num_hidden_layers} layers written to {out} in {time.perf_counter() - t0:.1f}s, "
+        f"peak RSS {_peak_rss() / 2**20:.0f} MiB (this process; iree-compile's own is logged above)")
+    return out
+
+
+def _peak_rss() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def carry_tokenizer(dest: Path, checkpoint: Path | None, vocab_size: int, log) -> None:
