@@ -1,6 +1,6 @@
 """K3Model -> torch.export -> torch-dialect MLIR with three entry points and external parameters.
 
-    prefill(tokens [B, T])          -> (logits [B, T, vocab], *state)
+    prefill(tokens [B, T])          -> (logits [B, T, vocab], hidden [layers, B, T, D], *state)
     extend(tokens [B, T], *state)   -> (logits [B, T, vocab], *state)
     decode(token [B, 1], *state)    -> (logits [B, 1, vocab], *state)
 
@@ -115,7 +115,7 @@ class Program(nn.Module):
         logits = self.lm_head(m.norm(p))
         new_state = {"kda_conv": convs, "kda_S": Ss, "mla_cache": caches}
         out = [torch.stack(new_state[s]) for k in self.kinds for s in STATE_OF[k]]
-        return (logits, *out)
+        return (logits, torch.stack(hidden), *out) if self.mode == "prefill" else (logits, *out)
 
 
 STATE_OF = {"kda": ("kda_conv", "kda_S"), "mla": ("mla_cache",)}

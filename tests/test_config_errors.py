@@ -154,6 +154,7 @@ def test_a_stray_safetensors_file_is_never_read(ckpt, tiny_ckpt):
     assert torch.equal(load_checkpoint(ckpt).lm_head.weight, load_checkpoint(tiny_ckpt).lm_head.weight)
 
 
+@pytest.mark.slow
 def test_session_loads_only_the_checkpoint_files(tiny_bundle, tmp_path):
     """The runtime reads the files ``checkpoint_files`` names: a stray file with another lm_head
     changes nothing (or the bundle is refused as changed, never run on it)."""
@@ -226,6 +227,7 @@ def test_non_finite_weights_name_the_first_bad_tensor(ckpt, bad):
         load_checkpoint(ckpt)
 
 
+@pytest.mark.slow
 def test_non_finite_weights_through_compile(ckpt, tmp_path):
     name = "model.layers.1.self_attn.q_proj.weight"
     edit(ckpt, lambda t: t[name].fill_(float("nan")))

@@ -144,26 +144,31 @@ def module_outline(text: str) -> tuple[dict[str, list], list[tuple[str, str, boo
 
 def test_emit_mlir_custom_ops_then_their_implementations(k3c_cache, tmp_path):
     """torch.mlir holds the k3 operators; lowered.mlir holds none, but calls to their implementations.
-    The KDA chunk implementation takes any T and calls the 64-token chunk function once, inside an
-    scf.for: prefill up to 128 tokens (two chunks) is a run-time loop, not an unrolled one."""
+    Each layer group's body is written once per form (prefill, extend, decode) and every layer calls
+    it (exporter/layers.py). The KDA chunk implementation takes any T and calls the 64-token chunk
+    function once, inside an scf.for: prefill up to 128 tokens (two chunks) is a run-time loop."""
+    from k3c.model.stacking import layer_groups
     cfg = K3Config.preset("k3-tiny")
-    n_kda = cfg.layer_kinds.count("kda")
-    n_moe = sum(cfg.is_moe(layer) for layer in range(cfg.num_hidden_layers))
+    groups = layer_groups(cfg).values()
+    n_kda = sum(g.attention == "kda" for g in groups)
+    n_moe = sum(g.moe for g in groups)
     r = k3c("export", "--preset", "k3-tiny", "--max-prompt", 128, "--emit-mlir", tmp_path, cache=k3c_cache)
     assert r.returncode == 0, r.stderr
     before, after = (tmp_path / "torch.mlir").read_text(), (tmp_path / "lowered.mlir").read_text()
-    for op, count in (("kda_chunk", 2 * n_kda), ("kda_step", n_kda), ("mxfp4_moe", 3 * n_moe)):  # prefill, extend
+    # per KDA group: prefill and extend bodies chunk, decode steps; per MoE group: start/prefill, extend, decode
+    for op, count in (("kda_chunk", 2 * n_kda), ("kda_step", n_kda), ("mxfp4_moe", 3 * n_moe)):
         assert before.count(f'torch.operator "torch.k3.{op}"') == count, op
     assert "torch.k3." not in after
 
     inputs, calls = module_outline(after)
     called = lambda caller, prefix: [c for f, c, _ in calls if f == caller and c.startswith(prefix)]  # noqa: E731
-    assert len(called("prefill", "k3_kda_chunk_")) == n_kda and not called("decode", "k3_kda_chunk_")
-    assert len(called("decode", "k3_kda_step_")) == n_kda and not called("prefill", "k3_kda_step_")
-    assert len(called("extend", "k3_kda_chunk_")) == n_kda and not called("extend", "k3_kda_step_")
-    assert len(called("prefill", "k3_mxfp4_moe_")) == len(called("decode", "k3_mxfp4_moe_")) == n_moe
+    for entry in ("prefill", "extend", "decode"):  # one body call per layer
+        assert len(called(entry, "call_body_")) == cfg.num_hidden_layers, entry
+    assert len(called("call_body_kda_moe_prefill", "body_kda_moe_prefill")) == 1
+    assert len(called("body_kda_moe_prefill", "k3_kda_chunk_")) == 1
+    assert len(called("body_kda_moe_decode", "k3_kda_step_")) == 1
 
-    (impl,) = set(called("prefill", "k3_kda_chunk_"))
+    (impl,) = set(called("body_kda_moe_prefill", "k3_kda_chunk_"))
     H, K = cfg.kda_heads, cfg.kda_head_dim
     assert inputs[impl][0] == f"tensor<1x?x{H}x{K}xf32>"             # q [B, T, H, K], any T
     assert inputs[impl + "_chunk"][0] == f"tensor<1x64x{H}x{K}xf32>"  # one 64-token chunk

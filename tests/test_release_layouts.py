@@ -120,6 +120,7 @@ def release_dir(tiny_bundle, tmp_path_factory) -> Path:
     return release_layout(tiny_bundle.checkpoint_dir, tmp_path_factory.mktemp("release") / "k3-tiny")
 
 
+@pytest.mark.slow
 def test_release_layout_reads_as_the_plain_checkpoint(release_dir, tiny_bundle, capfd, monkeypatch):
     monkeypatch.setattr(checkpoint, "_SKIP_LOGGED", set())
     got, want = load_checkpoint(release_dir), load_checkpoint(tiny_bundle.checkpoint_dir)
@@ -130,6 +131,7 @@ def test_release_layout_reads_as_the_plain_checkpoint(release_dir, tiny_bundle, 
     assert len(skipped) == 1 and "skipped 3 vision_tower / mm_projector tensors" in skipped[0]
 
 
+@pytest.mark.slow
 def test_release_layout_compiles_validates_and_gives_the_plain_logits(release_dir, tiny_bundle, k3c_cache,
                                                                        tmp_path, monkeypatch):
     """Same config and stored dtypes as tiny_bundle: the compiled module comes from its cache."""
@@ -218,6 +220,7 @@ def test_inspect_of_a_checkpoint_counts_its_headers(hf_saved, tmp_path):
     assert f["bytes_total"] == data_bytes
 
 
+@pytest.mark.slow
 def test_transformers_checkpoint_compiles_and_validates(hf_saved, k3c_cache, tmp_path, monkeypatch):
     """The bundle holds the checkpoint converted to k3c's names once (it used to be converted twice)."""
     from k3c.interface.build import build_bundle

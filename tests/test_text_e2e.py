@@ -29,6 +29,8 @@ TOL = 1e-4          # fp32 max abs logit error on the CPU, as tests/test_e2e.py
 MAX_PROMPT = 300
 CONTEXT = 4096
 
+pytestmark = pytest.mark.slow  # k3-tiny bundles
+
 
 def k3c(*args, cache: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(K3C), *map(str, args)], capture_output=True, text=True, timeout=900, input=stdin,
