@@ -1,4 +1,4 @@
-"""The decoder body written once per layer group, over stacked weights (docs/pipeline.md, "Depth").
+"""The decoder body written once per layer group, over stacked weights (docs/pipeline.md §5).
 
 The exported entry points call one placeholder op per layer, ``torch.ops.k3x.kda_layer`` or
 ``k3x.mla_layer`` (``k3x.mla_layer_start`` where an MLA layer starts a sequence), with the layer's

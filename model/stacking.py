@@ -6,7 +6,7 @@
 - Compiled program (exporter/, the pack step): the layers grouped by (attention kind, FFN kind), each
   per-layer tensor of a group stacked over its layers into ONE parameter ``layers.<group>.<name>``
   [n_layers_in_group, ...], read by one layer body per group with the layer's index in the group
-  (docs/pipeline.md, "Stacked parameters"). Tensors outside the layers keep their names.
+  (docs/pipeline.md §5). Tensors outside the layers keep their names.
 """
 from __future__ import annotations
 

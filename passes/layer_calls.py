@@ -1,4 +1,4 @@
-"""Layer placeholders -> calls of the layer bodies (docs/pipeline.md, "Stacked parameters").
+"""Layer placeholders -> calls of the layer bodies (docs/pipeline.md §5).
 
     %r:3 = torch.operator "torch.k3x.kda_layer"(%E, %at, %conv, %S, %str "kda_moe.prefill")
 becomes
