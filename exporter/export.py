@@ -304,6 +304,7 @@ class _Decode(nn.Module):
     def forward(self, token, *flat_state):
         state = pytree.tree_unflatten(list(flat_state), self.spec)
         logits, state = self.net.layers_forward(token, state, True)
+        return logits, *pytree.tree_leaves(state)
 
 
 def trace_entry_points(model: K3Model, *, batch: int = 1, max_prompt: int = 128, log=print):

@@ -172,10 +172,11 @@ def export_onnx(out: Path, *, preset: str | None = None, checkpoint: Path | None
     t_start = time.perf_counter()
     with atomic_dir(out) as tmp:
         if preset is not None:
-            save_checkpoint(init_weights(K3Model(K3Config.preset(preset)), seed), tmp / CHECKPOINT)
+            save_checkpoint(init_weights(K3Model(K3Config.preset(preset)), seed), tmp / CHECKPOINT,
+                            module_layout=True)
             source = {"preset": preset, "seed": seed}
         else:
-            save_checkpoint(load_checkpoint(checkpoint), tmp / CHECKPOINT)
+            save_checkpoint(load_checkpoint(checkpoint), tmp / CHECKPOINT, module_layout=True)
             source = {"checkpoint": str(Path(checkpoint).resolve()), "checkpoint_hash": hash_dir(Path(checkpoint))}
         model = load_checkpoint(tmp / CHECKPOINT)  # what the ONNX weights hold (bf16 values, widened)
         prefill, decode, _, timings = trace_entry_points(model, max_prompt=max_prompt, log=log)

@@ -20,6 +20,7 @@ import torch
 from ..errors import K3Error
 from ..model import K3Config, K3Model
 from ..model.checkpoint import TORCH_DTYPES, checkpoint_dir, load_checkpoint, open_checked, stored_dtype
+from ..model.accounting import require_memory
 from ..model.stacking import to_checkpoint
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
@@ -170,6 +171,7 @@ def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkp
     with atomic_dir(out, force=force) as tmp:
         if preset is not None:
             cfg = K3Config.preset(preset)
+            require_memory(cfg, torch.float32, f"compile --preset {preset} (use --no-weights for the module alone)")
             t0 = time.perf_counter()
             save_checkpoint(init_weights(K3Model(cfg), seed), tmp / "checkpoint")
             log(f"wrote random {preset} checkpoint (seed {seed}) in {time.perf_counter() - t0:.1f}s")

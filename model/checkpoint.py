@@ -127,6 +127,22 @@ def gpt_oss_entries(file: Path, key: str, dtype: str, shape: tuple[int, ...]) ->
             for e in range(E) for w, r in parts.items()}
 
 
+STACKED_EXPERTS = re.compile(r"(?P<head>.*\.experts)\.(?P<tail>w[123]\.weight(_packed|_scale)?)")
+
+
+def stacked_expert_entries(file: Path, key: str, dtype: str, shape: tuple[int, ...]) -> dict[str, Entry] | None:
+    """The per-expert tensors inside one tensor of K3Model's own layout, experts stacked [E, ...]
+    (what ``save_checkpoint(..., module_layout=True)`` writes, e.g. for ONNX external data), or None."""
+    m = STACKED_EXPERTS.fullmatch(key)
+    if m is None or not shape:
+        return None
+
+    def part(e: int) -> Callable[[Any], torch.Tensor]:
+        return lambda s: s[e]
+
+    return {f"{m['head']}.{e}.{m['tail']}": Entry(file, key, dtype, tuple(shape[1:]), part(e)) for e in range(shape[0])}
+
+
 @dataclass
 class Checkpoint:
     """The tensors of a checkpoint directory, from the safetensors headers only (no data read).
@@ -276,7 +292,8 @@ def open_checkpoint(directory: str | Path, cfg: K3Config | None = None) -> Check
             if cfg is not None and cfg.layout == "kimi_linear":
                 expanded = {k: Entry(path, key, dtype, s, part=part) for k, s, part in k3_parts(name, shape, cfg)}
             else:
-                expanded = gpt_oss_entries(path, key, dtype, shape) or {name: Entry(path, key, dtype, shape)}
+                expanded = (gpt_oss_entries(path, key, dtype, shape) or stacked_expert_entries(path, key, dtype, shape)
+                            or {name: Entry(path, key, dtype, shape)})
             for k, entry in expanded.items():
                 k = to_model_name(k)
                 if k in entries:

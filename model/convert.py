@@ -84,9 +84,13 @@ def write_index(directory: Path, file_of: dict[str, str], total_bytes: int) -> N
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def save_checkpoint(model: K3Model, directory: str | Path, shard_bytes: int | None = None) -> Path:
-    """Write ``config.json`` and the weights (module docstring), atomically and deterministically."""
-    state = {k: v.detach() for k, v in to_checkpoint(model.state_dict()).items()}
+def save_checkpoint(model: K3Model, directory: str | Path, shard_bytes: int | None = None,
+                    module_layout: bool = False) -> Path:
+    """Write ``config.json`` and the weights (module docstring), atomically and deterministically:
+    routed experts one tensor per expert as released, or with ``module_layout`` stacked [E, ...] as
+    K3Model holds them (one contiguous tensor each, which ONNX external data can point at)."""
+    state = model.state_dict() if module_layout else to_checkpoint(model.state_dict())
+    state = {k: v.detach() for k, v in state.items()}
     dtypes = {k: stored_dtype(k, t) for k, t in state.items()}
     header = {k: (DTYPE_NAMES[dtypes[k]], tuple(t.shape)) for k, t in state.items()}
     file_of = shard_names({k: dtypes[k].itemsize * t.numel() for k, t in state.items()}, shard_bytes)
