@@ -62,7 +62,11 @@ def load_config(preset: str | None, config: str | None):
 @click.option("--context", default=1_048_576, show_default=True, type=click.IntRange(min=1),
               help="Context length for cache sizes and attention FLOPs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def inspect(preset, config_dir, context, as_json):
+@click.option("--devices", default=None, type=click.IntRange(min=1),
+              help="Also the bytes per device with the routed experts split over N devices.")
+@click.option("--device-memory", default=None, type=click.FloatRange(min=0, min_open=True), metavar="GB",
+              help="With --devices: memory per device in GB (say whether the split fits).")
+def inspect(preset, config_dir, context, as_json, devices, device_memory):
     """Parameters, bytes, state and cache sizes, FLOPs per token, from shapes on the meta device;
     when --config is a checkpoint directory, parameters and bytes as its safetensors headers store
     them. Writes nothing."""
@@ -70,8 +74,15 @@ def inspect(preset, config_dir, context, as_json):
     from .model.checkpoint import INDEX_FILE, SINGLE_FILE
     checkpoint = Path(config_dir) if config_dir and any(
         (Path(config_dir) / f).is_file() for f in (INDEX_FILE, SINGLE_FILE)) else None
-    figures = account(load_config(preset, config_dir), context, checkpoint)
+    cfg = load_config(preset, config_dir)
+    figures = account(cfg, context, checkpoint)
+    if devices:
+        from .model.placement import placement_report
+        figures["devices"] = placement_report(figures, cfg.num_experts, devices, device_memory)
     click.echo(json.dumps(figures, indent=2) if as_json else render(figures))
+    if devices and not as_json:
+        from .model.placement import render_devices
+        click.echo(render_devices(figures["devices"]))
 
 
 @main.command("balance-demo")
