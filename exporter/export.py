@@ -93,7 +93,7 @@ class Program(nn.Module):
         E, n = p.new_zeros(self.rows, B, T, D), 0
         for i, (group, j) in enumerate(self.places):
             E = E.slice_scatter(p.unsqueeze(0), 0, n, n + 1)
-            args = (E, torch.tensor([n, int(cfg.closes_block(i)), j]))
+            args = (E, torch.tensor([n, int(cfg.closes_block(i)), j], dtype=torch.int32))
             kind, slot, body = cfg.layer_kinds[i], self.slots[i], self.body(group, cfg.layer_kinds[i])
             if kind == "kda":
                 conv = given["kda_conv"][slot] if given else p.new_zeros(B, 3, H * K, W - 1)
@@ -121,10 +121,9 @@ class Program(nn.Module):
 STATE_OF = {"kda": ("kda_conv", "kda_S"), "mla": ("mla_cache",)}
 
 
-def stacked_state(model: K3Model, state) -> list[torch.Tensor]:
-    """A K3State as the entry points take it: per kind present, the layers' tensors stacked."""
-    kinds = [k for k in ("kda", "mla") if k in model.cfg.layer_kinds]
-    return [torch.stack(getattr(state, s)) for k in kinds for s in STATE_OF[k]]
+def stacked_state(state) -> list[torch.Tensor]:
+    """A K3State as the entry points take it: per layer kind present, the layers' tensors stacked."""
+    return [torch.stack(getattr(state, s)) for s in ("kda_conv", "kda_S", "mla_cache") if getattr(state, s)]
 
 
 # torch 2.13's ExportedProgram.run_decompositions deep-copies the module call graph; copying a pytree
@@ -262,7 +261,7 @@ def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None,
         for key, body in register_bodies(model, stored).items():
             decode = BODY_FORMS[key.rsplit(".", 1)[1]][0]
             E = torch.zeros(rows, batch, 1 if decode else 2, cfg.hidden_size, dtype=model.dtype, device="meta")
-            at = torch.zeros(3, dtype=torch.long, device="meta")
+            at = torch.zeros(3, dtype=torch.int32, device="meta")
             if body.group.attention == "kda":
                 st, dims = [state[0][0], state[1][0]], ({}, {})
             elif key.endswith(".start"):

@@ -2,12 +2,13 @@
 
 The exported entry points call one placeholder op per layer, ``torch.ops.k3x.kda_layer`` or
 ``k3x.mla_layer`` (``k3x.mla_layer_start`` where an MLA layer starts a sequence), with the layer's
-activations, its state and ``at`` = [n, close, j] (int64): the bank row of p, whether the layer closes
-a block, and its index in its group. (One tensor: IREE 3.13's interprocedural pass mixed up the
-arguments when they came as three scalars that coincide at some calls.) Each group's body (``LayerBody``) is exported on
-its own: its weights are stacked parameters ``layers.<group>.<name>`` [n_layers, ...] (model/stacking.py)
-and it slices layer ``j`` out of them. passes/layer_calls.py turns every placeholder into a call of
-that body, kept out of line, so iree-compile sees each body once however deep the model is.
+activations, its state and ``at`` = [n, close, j] (int32: SPIR-V on llvmpipe gave NaN with an int64
+index): the bank row of p, whether the layer closes a block, and its index in its group. (One
+tensor: IREE 3.13's interprocedural pass mixed up the arguments when they came as three scalars that
+coincide at some calls.) Each group's body (``LayerBody``) is exported on its own: its weights are
+stacked parameters ``layers.<group>.<name>`` [n_layers, ...] (model/stacking.py) and it slices layer
+``j`` out of them. passes/layer_calls.py turns every placeholder into a call of that body (which
+iree-compile still inlines; that module says why).
 
 The bank of Block Attention Residuals (docs/model.md §3) travels as one tensor E [R, B, T, D]: the
 caller writes the running partial sum p at row n (the number of closed blocks) before each layer.
@@ -83,7 +84,7 @@ class LayerStep(nn.Module):
     def forward(self, E, at, *state):
         layer, n, close = self.layer, at[0], at[1]
         p = E.index_select(0, n.reshape(1)).squeeze(0)
-        rows = torch.arange(E.shape[0], device=E.device)
+        rows = torch.arange(E.shape[0], dtype=at.dtype, device=E.device)
         x = attn_res_masked(E, rows <= n, layer.self_attention_res_proj.weight,
                             layer.self_attention_res_norm.weight) if self.attn_res else p
         h = layer.input_layernorm(x)

@@ -44,6 +44,7 @@ from ..model.checkpoint import load_checkpoint, stored_dtype
 from ..model.config import every_fourth_and_last
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
+from ..exporter.export import stacked_state
 from ..model.model import K3State
 from ..passes.pipeline import Pipeline
 from . import bench_ops
@@ -123,7 +124,8 @@ class TimedSession:
         self.device, self._asdevice = self.session.config.device, rt.asdevicearray
 
     def on_device(self, state: K3State) -> list:
-        return [self._asdevice(self.device, t.numpy()) for t in pytree.tree_leaves(state)]
+        """The state as the entry points take it (exporter/export.py stacked_state), on the device."""
+        return [self._asdevice(self.device, t.numpy()) for t in stacked_state(state)]
 
     def decode(self, token: np.ndarray, state: list) -> np.ndarray:
         logits, *_ = self.session.program.decode(token, *state)

@@ -45,7 +45,7 @@ def test_targets_validate_markdown(tiny_bundle, k3c_cache, tmp_path, monkeypatch
     from click.testing import CliRunner
 
     from k3c.cli import main
-    from k3c.runtimes import targets
+    from k3c.compiler import targets
 
     monkeypatch.setattr(targets, "KNOWN_TARGETS", ("cpu", "cuda:sm_80", "vulkan:llvmpipe"))
     result = CliRunner().invoke(main, ["targets", "--validate", "k3-tiny", "--markdown", "--work", str(tmp_path)],

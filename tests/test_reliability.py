@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from test_cli_errors import assert_one_line_error, flip_byte, k3c_in_process, k3c_script
 
 from k3c.artifacts.bundle import MANIFEST, Manifest, seal
+from k3c.artifacts.pack import pack
 from k3c.utils.files import MARKER, atomic_dir, hash_dir, seal_entry, verified_entry
 
 K3C = Path(sys.executable).with_name("k3c")
@@ -390,6 +391,8 @@ def test_validate_names_first_non_finite_step_and_layer(bundle_copy):
     tensors = load_file(path)
     tensors["model.layers.2.input_layernorm.weight"][:] = float("nan")
     save_file(tensors, path, metadata={"format": "pt"})
+    (bundle_copy / "weights.irpa").unlink()  # the module reads the packed weights: pack them again
+    pack(bundle_copy / "checkpoint", bundle_copy / "weights.irpa", log=lambda _: None)
     reseal(bundle_copy)
     r = subprocess.run([str(K3C), "validate", str(bundle_copy)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stderr
