@@ -1,12 +1,25 @@
 """Shared fixtures: fla-core's naive KDA references and seeded k3-tiny models."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from fla_reference import load_gates, load_naive  # tests/ is on sys.path (pytest's prepend import mode)
 
+from k3c.compiler.devices import devices
 from k3c.model import K3Config, K3Model
 from k3c.model.init import init_weights
+
+# Vulkan execution (not compilation) runs only with K3C_VULKAN_RUN=1. Mesa's llvmpipe (22.3.6) on
+# this project's machines reports VK_ERROR_DEVICE_LOST in about half of the IREE sessions that load
+# parameters (measured 2026-12-01 on an idle 2-core EPYC: 3 of 8 fresh devices survived, with the
+# previous release's bundles 4 of 6; a module without parameters 10 of 10), and a lost device fails
+# every later Vulkan call of the process. CI cannot gate on that; where llvmpipe (or a real GPU)
+# behaves, set the variable.
+VULKAN_RUNS = bool(devices("vulkan")) and os.environ.get("K3C_VULKAN_RUN") == "1"
+needs_vulkan_run = pytest.mark.skipif(not VULKAN_RUNS, reason="Vulkan execution runs with K3C_VULKAN_RUN=1 and a "
+                                      "Vulkan device (llvmpipe loses the device in about half the sessions here)")
 
 # The tests run many small ops; a second intra-op thread only adds synchronisation (several times
 # slower on a shared 2-core machine).

@@ -20,7 +20,6 @@ from safetensors.torch import load_file, save_file
 from test_cli_errors import assert_one_line_error, flip_byte, k3c_in_process, k3c_script
 
 from k3c.artifacts.bundle import MANIFEST, Manifest, seal
-from k3c.artifacts.pack import pack
 from k3c.utils.files import MARKER, atomic_dir, hash_dir, seal_entry, verified_entry
 
 K3C = Path(sys.executable).with_name("k3c")
@@ -387,12 +386,21 @@ def test_bad_reference_is_one_line(bundle_copy, change, words):
 
 # ---- 8. non-finite outputs -------------------------------------------------------------------
 def test_validate_names_first_non_finite_step_and_layer(bundle_copy):
-    path = bundle_copy / "checkpoint" / "model.safetensors"
-    tensors = load_file(path)
-    tensors["model.layers.2.input_layernorm.weight"][:] = float("nan")
-    save_file(tensors, path, metadata={"format": "pt"})
-    (bundle_copy / "weights.irpa").unlink()  # the module reads the packed weights: pack them again
-    pack(bundle_copy / "checkpoint", bundle_copy / "weights.irpa", log=lambda _: None)
+    """NaN weights of layer 2 in what the module reads (the packed archive; reading a checkpoint
+    already refuses them): validate names the prefill step and layer 2."""
+    import iree.runtime as rt
+    archive = bundle_copy / "weights.irpa"
+    index = rt.ParameterIndex()
+    index.load(str(archive))
+    tensors = {key: np.frombuffer(bytes(e.file_view), dtype=np.uint8).copy() for key, e in index.items()}
+    del index
+    norm = tensors["layers.kda_moe.input_layernorm.weight"].view(np.uint16).reshape(3, -1)  # layers 1, 2, 4 (bf16)
+    norm[1] = 0x7FC0                                                                       # layer 2: bf16 NaN
+    out = rt.ParameterIndex()
+    for key, data in tensors.items():
+        out.add_buffer(key, data)
+    archive.unlink()
+    out.create_archive_file(str(archive))
     reseal(bundle_copy)
     r = subprocess.run([str(K3C), "validate", str(bundle_copy)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stderr

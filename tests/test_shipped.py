@@ -25,13 +25,13 @@ from test_compiled_ops import K, expert_weights, fla_recurrent, kda_inputs, moe,
 from torch.export import Dim, export
 
 from k3c.model import K3Config  # registers torch.ops.k3.*
+from conftest import needs_vulkan_run  # tests/ is on sys.path
 from k3c.compiler import devices as device
 from k3c.runtimes.readback import read_back
 
 K3C = Path(sys.executable).with_name("k3c")  # the console script installed beside this interpreter
 TOKENS = [1, 255, 257, 600]
-TARGETS = ["cpu", pytest.param("vulkan", marks=pytest.mark.skipif(
-    not device.devices("vulkan"), reason="no Vulkan device (apt-get install mesa-vulkan-drivers gives llvmpipe)"))]
+TARGETS = ["cpu", pytest.param("vulkan", marks=needs_vulkan_run)]
 # max abs error against the float64 references: as in test_compiled_ops.py (CPU) and test_targets.py (Vulkan)
 TOLERANCE = {"local-task": 2e-5, "vulkan": 1e-4}
 

@@ -25,13 +25,13 @@ from k3c.exporter.export import decompose
 from k3c.model import mxfp4
 from k3c.passes.lowerings import _recurrent_v_major, kda_step_v_major
 from k3c.passes.pipeline import Pipeline, Rewrite
+from conftest import needs_vulkan_run  # tests/ is on sys.path
 from k3c.compiler import devices as device
 from k3c.runtimes.readback import read_back
 from k3c.compiler.targets import KNOWN_TARGETS, PROBE, Target, compile_mlir, compiles_here, parse_target
 
 LLVMPIPE = "llvmpipe (LLVM 15.0.6, 256 bits) (llvmpipe Mesa 22.3.6 (LLVM 15.0.6))"
-no_vulkan = pytest.mark.skipif(not device.devices("vulkan"),
-                               reason="no Vulkan device here (apt-get install mesa-vulkan-drivers gives llvmpipe)")
+no_vulkan = needs_vulkan_run
 
 # ---- --target ------------------------------------------------------------------------------
 
