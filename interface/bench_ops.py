@@ -28,6 +28,7 @@ from .build import cache_dir, cache_key, source_hash
 from ..artifacts.bundle import package_versions
 from ..utils.files import atomic_dir, seal_entry, verified_entry
 from ..model import kda, mxfp4, ops  # noqa: F401  (ops registers torch.ops.k3.*)
+from ..exporter.export import decompose
 from ..model.moe import glu_act
 from ..passes import expert_loops
 from ..passes.pipeline import Pipeline, Rewrite
@@ -112,7 +113,7 @@ def standalone(texts: list[str], sym: str) -> str:
 def lower(module: nn.Module, examples: tuple, pipeline: Pipeline, dynamic_shapes=None) -> str:
     """torch.export ``module`` on ``examples``, import to torch-dialect MLIR, run ``pipeline``."""
     with torch.no_grad():
-        program = export(module, examples, dynamic_shapes=dynamic_shapes).run_decompositions(get_decomposition_table())
+        program = decompose(export(module, examples, dynamic_shapes=dynamic_shapes), get_decomposition_table())
     importer = FxImporter(context=ir.Context())
     importer.import_program(program, func_name="main")
     pipeline.run(importer.module, log=lambda m: None)
