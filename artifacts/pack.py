@@ -46,7 +46,7 @@ def program_members(cfg: K3Config, ckpt: Checkpoint) -> dict[str, list[str]]:
     return {p: [name for *_, name in sorted(v)] for p, v in sorted(members.items())}
 
 
-def _stacked_shape(cfg: K3Config, ckpt: Checkpoint, program: str, names: list[str]) -> tuple[int, ...]:
+def _stacked_shape(ckpt: Checkpoint, program: str, names: list[str]) -> tuple[int, ...]:
     first = ckpt.entries[names[0]]
     if not program.startswith("layers."):
         return tuple(first.shape)
@@ -67,7 +67,7 @@ def pack(checkpoint: Path, out: Path, log=print) -> Packed:
     scratch, tmp = out.with_name(f".{out.name}.scratch"), out.with_name(f".{out.name}.tmp")
     layout, offset = {}, 0
     for program, names in members.items():
-        shape = _stacked_shape(model.cfg, ckpt, program, names)
+        shape = _stacked_shape(ckpt, program, names)
         nbytes = math.prod(shape) * TORCH_DTYPES[ckpt.entries[names[0]].dtype].itemsize
         layout[program] = (offset, nbytes, names)
         offset += nbytes

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
@@ -49,10 +49,8 @@ class ExportedModule:
     """The torch-dialect module and what its entry points take and return."""
     module: ir.Module
     entry_points: dict[str, str]          # name -> signature text for the manifest
-    parameters: dict[str, str]            # checkpoint tensor name -> stored dtype
     max_prompt: int
     batch: int
-    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -377,7 +375,7 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         "decode": f"(token [{batch}, 1] int64, state...) -> (logits [{batch}, 1, {V}] f32, state...)",
         "state": shapes,
     }
-    return ExportedModule(importer.module, entry_points, hooks.globals, max_prompt, batch, timings)
+    return ExportedModule(importer.module, entry_points, max_prompt, batch)
 
 
 def meta_devices_to_cpu(module: ir.Module) -> None:

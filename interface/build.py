@@ -56,23 +56,6 @@ def source_hash(dirs: tuple[str, ...] = COMPILE_SOURCES) -> str:
     return h.hexdigest()
 
 
-def lower_model(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt: int, batch: int = 1,
-                emit_mlir: Path | None = None, log=print):
-    """Export ``model`` (or take the export from the cache) and run the default passes; with
-    ``emit_mlir``, write the module before and after them."""
-    from ..passes.pipeline import Pipeline
-
-    module, _ = export_cached(model, dtypes, max_prompt=max_prompt, batch=batch, log=log)
-    before = str(module) if emit_mlir is not None else ""
-    Pipeline().run(module, log=log)
-    if emit_mlir is not None:
-        with atomic_dir(emit_mlir) as tmp:
-            (tmp / "torch.mlir").write_text(before)
-            (tmp / "lowered.mlir").write_text(str(module))
-        log(f"wrote {emit_mlir / 'torch.mlir'} (before passes) and {emit_mlir / 'lowered.mlir'} (after)")
-    return module
-
-
 def cache_key(**parts) -> str:
     """A short hash of ``parts`` (JSON-serialisable): the name of a cache entry."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]

@@ -26,6 +26,17 @@ needs_vulkan_run = pytest.mark.skipif(not VULKAN_RUNS, reason="Vulkan execution 
 torch.set_num_threads(1)
 
 
+def eager_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy ids: the first from prefill, then n - 1 decode steps."""
+    with torch.no_grad():
+        logits, state = model.prefill(torch.tensor([prompt]))
+        ids = [int(logits[0, -1].argmax())]
+        for _ in range(n - 1):
+            logits, state = model.decode(torch.tensor([[ids[-1]]]), state)
+            ids.append(int(logits[0, -1].argmax()))
+    return ids
+
+
 @pytest.fixture(scope="session")
 def fla_naive():
     """fla/ops/kda/naive.py: naive_recurrent_kda, naive_chunk_kda."""

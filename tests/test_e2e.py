@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from conftest import eager_greedy  # tests/ is on sys.path
 from k3c.model import K3Config
 from k3c.model.checkpoint import load_checkpoint
 from k3c.runtimes.session import Session
@@ -29,17 +30,6 @@ pytestmark = pytest.mark.slow  # the compiled k3-tiny (tiny_bundle) and a whole-
 def k3c(*args, cache: Path) -> subprocess.CompletedProcess:
     return subprocess.run([str(K3C), *map(str, args)], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "K3C_CACHE": str(cache)})
-
-
-def eager_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """n greedy ids: the first from prefill, then n - 1 decode steps."""
-    with torch.no_grad():
-        logits, state = model.prefill(torch.tensor([prompt]))
-        ids = [int(logits[0, -1].argmax())]
-        for _ in range(n - 1):
-            logits, state = model.decode(torch.tensor([[ids[-1]]]), state)
-            ids.append(int(logits[0, -1].argmax()))
-    return ids
 
 
 def test_compiled_logits_match_eager(tiny_bundle):

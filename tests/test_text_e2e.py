@@ -18,6 +18,7 @@ import pytest
 import torch
 from text_fixtures import SPECIAL_IDS, write_kimi_tokenizer
 
+from conftest import eager_greedy  # tests/ is on sys.path
 from k3c.errors import K3Error
 from k3c.model.checkpoint import load_checkpoint
 from k3c.runtimes.chat import Conversation
@@ -63,16 +64,6 @@ def kimi_bundle(tmp_path_factory, k3c_cache, kimi_checkpoint):
 @pytest.fixture(scope="session")
 def eager(kimi_bundle):
     return load_checkpoint(kimi_bundle.checkpoint_dir, dtype=torch.float32)
-
-
-def eager_greedy(model, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        logits, state = model.prefill(torch.tensor([prompt]))
-        ids = [int(logits[0, -1].argmax())]
-        for _ in range(n - 1):
-            logits, state = model.decode(torch.tensor([[ids[-1]]]), state)
-            ids.append(int(logits[0, -1].argmax()))
-    return ids
 
 
 def test_bundle_carries_the_tokenizer(kimi_bundle):
