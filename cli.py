@@ -1,5 +1,8 @@
 """The ``k3c`` command line: one verb per job (inspect, init-checkpoint, quantize, export, compile,
-run, chat, validate, bench, targets). Errors from bad input print one line and exit non-zero."""
+pack, attach, run, chat, validate, bench, targets). Errors from bad input print one line and exit non-zero.
+
+Each verb imports what it runs inside its own function: deferred heavy imports (torch, IREE, rich's
+tables), so that ``k3c --help``, a bad argument and the verbs that need neither answer at once."""
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +17,7 @@ from pathlib import Path
 import click
 
 from .errors import K3Error
+from .interface import DEFAULT_MAX_PROMPT
 from .interface.bench_report import SECTIONS as BENCH_SECTIONS
 
 
@@ -216,8 +220,8 @@ def source_options(f):
                      help="HF checkpoint directory (config.json + safetensors).")(f)
     f = click.option("--preset", default=None, help="Built-in preset with seeded random weights (k3-tiny, k3-small).")(f)
     f = click.option("--seed", default=0, show_default=True, help="Seed of a preset's random weights.")(f)
-    f = click.option("--max-prompt", default=64, show_default=True, type=click.IntRange(min=2),
-                     help="Longest prompt the compiled prefill accepts.")(f)
+    f = click.option("--max-prompt", default=DEFAULT_MAX_PROMPT, show_default=True, type=click.IntRange(min=2),
+                     help="Longest prompt one prefill call takes (longer ones run in pieces through extend).")(f)
     return f
 
 
@@ -257,7 +261,8 @@ def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir, config_
         return
     from .compiler.targets import parse_target
     tgt = parse_target(target)
-    from .interface.build import export_mlir, stored_dtypes
+    from .artifacts.bundle import stored_dtypes
+    from .interface.build import export_mlir
     cfg = load_config(None if config_dir else preset, config_dir or checkpoint)
     dtypes = stored_dtypes(Path(checkpoint)) if checkpoint else None
     with spinner("export: current step"):
@@ -275,12 +280,14 @@ def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir, config_
               help="Compile for the config.json in this directory (with --no-weights).")
 @click.option("--no-weights", is_flag=True,
               help="Write the module and manifest only: no checkpoint, packed weights or reference outputs "
-                   "(built from shapes on the meta device; the way to compile the full k3).")
+                   "(built from shapes on the meta device; the way to compile the full k3). k3c attach "
+                   "gives it the weights of any checkpoint of that config.")
 @FORCE
 def compile_cmd(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, config_dir, no_weights, force):
     """Compile a checkpoint or preset for a target; writes a bundle (manifest, module, packed weights,
-    checkpoint, reference.npz). The default output out/<name>-<target> is replaced without --force; a
-    directory given with -o needs it."""
+    checkpoint, reference.npz). The model is compiled from shapes and the weights packed one tensor at
+    a time, so a checkpoint larger than memory compiles too (without reference outputs). The default
+    output out/<name>-<target> is replaced without --force; a directory given with -o needs it."""
     if no_weights or config_dir:
         if onnx_dir or not no_weights:
             raise K3Error("compile: --config takes --no-weights (a config has no weights), and --onnx does not")
@@ -300,11 +307,34 @@ def compile_cmd(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, 
 
 
 @main.command()
+@click.argument("module_dir", type=click.Path(file_okay=False))
+@click.option("--checkpoint", required=True, type=click.Path(file_okay=False),
+              help="The checkpoint (any layout k3c reads: its own, the K3 release, Kimi Linear).")
+@click.option("--weights", type=click.Path(dir_okay=False), default=None,
+              help="An archive k3c pack made of that checkpoint: the bundle names it by path instead "
+                   "of packing the checkpoint again.")
+@click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
+              help="Bundle directory (default out/<checkpoint>-<target>).")
+@FORCE
+def attach(module_dir, checkpoint, weights, output, force):
+    """Make a bundle of a module compiled with --no-weights and a checkpoint of its config, without
+    compiling again: the weights packed (or --weights), the tokenizer, reference outputs when the
+    model fits in memory. Any mismatch is one error line before anything is written."""
+    from .interface.build import attach_weights
+    with spinner("attach: current step"):
+        bundle = attach_weights(Path(module_dir), Path(checkpoint), Path(output) if output else None,
+                                weights=Path(weights) if weights else None, force=force, log=log)
+    click.echo(str(bundle.root))
+
+
+@main.command()
 @click.argument("checkpoint", type=click.Path(file_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="The .irpa archive to write.")
 def pack(checkpoint, output):
     """Write a checkpoint's weights as an IREE parameter archive in the compiled program's layout
-    (each tensor kind stacked over its layers, experts stacked), streaming one tensor at a time."""
+    (each tensor kind stacked over its layers, experts stacked), streaming one tensor at a time,
+    from any layout k3c reads. The archive describes itself (config, checkpoint hash, each
+    parameter's dtype, shape and sha256); k3c attach MODULE --checkpoint DIR --weights ARCHIVE uses it."""
     from .artifacts.pack import pack as pack_archive
     from .model.checkpoint import checkpoint_dir
     if Path(output).exists():

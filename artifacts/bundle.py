@@ -1,21 +1,30 @@
-"""The bundle: everything needed to run and re-validate a compiled model, verified on open.
+"""The bundle: everything needed to run and re-validate a compiled model, verified on open (docs/bundle.md).
 
     BUNDLE/manifest.json   config and its hash, checkpoint hashes, target and flags, package
-                           versions, entry points, sha256 of every file below
+                           versions, entry points, the parameters the module reads, sha256 of every
+                           file below
     BUNDLE/module.vmfb     the compiled module (weights are parameters, never constants)
-    BUNDLE/checkpoint/     the checkpoint the parameters are read from (when the bundle owns it)
-    BUNDLE/reference.npz   PyTorch outputs for the validation prompt
+    BUNDLE/checkpoint/     the checkpoint the bundle was built from (when the bundle owns it)
+    BUNDLE/reference.npz   PyTorch outputs for the validation prompt (absent when the model did not
+                           fit in memory at build time: ``no_reference`` says why)
     BUNDLE/weights.irpa    the checkpoint packed in the program's layout (artifacts/pack.py): what
-                           the module's parameters are read from (ONNX bundles read the checkpoint)
+                           the module's parameters are read from, unless ``weights`` names an
+                           archive outside the bundle (``k3c attach --weights``); ONNX bundles read
+                           the checkpoint
+
+A module directory (``k3c compile --no-weights``) holds only the manifest and module.vmfb; ``k3c
+attach`` makes a bundle of it with a checkpoint, without compiling again.
 
 Bundles are written into a temporary sibling directory and renamed into place, so a reader never
 sees a half-written bundle. Opening one checks, before anything runs: every manifest field's type;
 every listed file (inside the bundle, module and reference among them) against its sha256; the
 checkpoint (inside the bundle and exactly its listed files, or an absolute path to a directory with
-a config.json whose hash matches); its config against the manifest's; and the manifest against the
+a config.json whose hash matches); its config against the manifest's; the manifest against the
 module itself, whose entry points carry the facts it was compiled for (``module_facts``: config,
-parameter dtypes, target, batch, max prompt) in their IREE reflection metadata, so an edited
-manifest or a module compiled for other weights is refused.
+parameter table, target, batch, max prompt) in their IREE reflection metadata, so an edited
+manifest or a module compiled for other weights is refused; the checkpoint's tensors against the
+parameters the module reads; and the archive against all of these (config, checkpoint, parameter
+names, dtypes and shapes; an archive outside the bundle also against its sha256s).
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ from ..errors import K3Error
 from ..utils.files import digest_of, files_under, hash_dir, inside, recover, sha256_file
 
 MANIFEST = "manifest.json"
-FORMAT = 2          # 2: entry points carry module_facts
+FORMAT = 3          # 2: entry points carry module_facts; 3: parameter table, weights, no_reference
 MODULE, REFERENCE, ARCHIVE = "module.vmfb", "reference.npz", "weights.irpa"
 ENTRY_POINTS = ("prefill", "decode")
 PACKAGES = ("k3c", "torch", "torch-mlir", "iree-base-compiler", "iree-base-runtime")
@@ -55,6 +64,10 @@ class Manifest:
     entry_points: dict              # name -> signature text
     batch: int
     max_prompt: int                 # longest prompt the prefill entry point accepts
+    parameters: dict                # program parameter -> [dtype, shape]: what the module reads
+    weights: str                    # "weights.irpa", an absolute path to an archive, or "" (the checkpoint's tensors)
+    weights_digest: str = ""        # an archive outside the bundle: pack.Archive.digest
+    no_reference: str = ""          # why there is no reference.npz ("" when there is one)
     files: dict = field(default_factory=dict)        # relative path -> sha256
     packages: dict = field(default_factory=package_versions)
     format: int = FORMAT
@@ -102,17 +115,18 @@ def seal(root: Path, manifest: Manifest) -> None:
 
 def stored_dtypes(checkpoint: Path):
     """Parameter name -> torch dtype as stored in the checkpoint (headers only)."""
-    from ..model.checkpoint import TORCH_DTYPES, open_checked
+    from ..model.checkpoint import TORCH_DTYPES, open_checked  # deferred heavy import (torch, ~2 s): opening a bundle to run it loads no torch
 
     _, ckpt = open_checked(checkpoint)
     return {name: TORCH_DTYPES[e.dtype] for name, e in ckpt.entries.items()}
 
 
-def module_facts(config_hash: str, dtypes: dict, target: dict, max_prompt: int, batch: int = 1) -> dict[str, str]:
+def module_facts(config_hash: str, parameters: dict, target: dict, max_prompt: int, batch: int = 1) -> dict[str, str]:
     """What a compiled module is valid for, as strings: stamped into its entry points' reflection
-    metadata at compile time (build.stamp) and compared with the manifest and checkpoint on open."""
-    dtype_text = json.dumps({k: str(v) for k, v in sorted(dtypes.items())})
-    return {"k3c.config": config_hash, "k3c.dtypes": hashlib.sha256(dtype_text.encode()).hexdigest()[:16],
+    metadata at compile time (build.stamp) and compared with the manifest on open. ``parameters``:
+    the table of what it reads (pack.ParameterTable)."""
+    table = json.dumps(parameters, sort_keys=True)
+    return {"k3c.config": config_hash, "k3c.parameters": hashlib.sha256(table.encode()).hexdigest()[:16],
             "k3c.target": json.dumps(target, sort_keys=True), "k3c.batch": str(batch),
             "k3c.max_prompt": str(max_prompt)}
 
@@ -136,12 +150,17 @@ class Bundle:
         return self.root / REFERENCE
 
     @property
+    def archive_path(self) -> Path | None:
+        """The parameter archive the module reads (None: an ONNX bundle reads its checkpoint)."""
+        w = self.manifest.weights
+        return None if not w else Path(w) if Path(w).is_absolute() else self.root / w
+
+    @property
     def parameter_files(self) -> list[Path]:
         """What the module's parameters are read from: the packed archive, or (a bundle from ONNX,
         whose parameters are the checkpoint's own tensors) the checkpoint's safetensors files."""
-        from ..model.checkpoint import checkpoint_files
-        archive = self.root / ARCHIVE
-        return [archive] if ARCHIVE in self.manifest.files else checkpoint_files(self.checkpoint_dir)
+        from ..model.checkpoint import checkpoint_files  # deferred heavy import (torch, ~2 s): opening a bundle to run it loads no torch
+        return [self.archive_path] if self.archive_path else checkpoint_files(self.checkpoint_dir)
 
 
 def open_bundle(path: str | Path) -> Bundle:
@@ -151,36 +170,63 @@ def open_bundle(path: str | Path) -> Bundle:
         recover(root)  # a writer killed between its two renames leaves the old bundle aside
     if not root.is_dir():
         raise K3Error(f"bundle: directory {root} does not exist")
-    mpath = root / MANIFEST
-    if not mpath.is_file():
-        raise K3Error(f"bundle: {root} has no {MANIFEST} (not a k3c bundle)")
-    try:
-        raw = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise K3Error(f"bundle: {mpath} is not valid JSON ({e})") from None
+    raw = _manifest_json(root, "bundle", "not a k3c bundle")
     if isinstance(raw, dict) and raw.get("checkpoint") == "":
-        raise K3Error(f"bundle: {root} was compiled with --no-weights (module and manifest only); "
-                      f"compile with --checkpoint or --preset to run it")
-    if isinstance(raw, dict) and raw.get("format", FORMAT) != FORMAT:
-        raise K3Error(f"bundle: {root} has format {raw['format']}, this k3c reads format {FORMAT} (compile it again)")
-    try:
-        manifest = Manifest.from_raw(raw)
-    except K3Error as e:
-        raise K3Error(f"bundle: {mpath} is not a valid manifest: {e}") from None
+        raise K3Error(f"bundle: {root} was compiled with --no-weights (module and manifest only); give it "
+                      f"weights with k3c attach {root} --checkpoint DIR")
+    manifest = _read_manifest(root, raw)
     _check_files(root, manifest)
     bundle = Bundle(root, manifest)
     _check_checkpoint(bundle)
-    from ..model.config import K3Config
+    from ..model.config import K3Config  # deferred heavy import (torch, ~2 s): opening a bundle to run it loads no torch
     config = K3Config.from_hf(bundle.checkpoint_dir)
     _check_config(bundle, config)
     _check_checkpoint_hash(bundle)
-    check_module(bundle, stored_dtypes(bundle.checkpoint_dir))
+    check_module(bundle)
+    check_checkpoint_parameters(bundle, config)
+    _check_archive(bundle)
     return bundle
 
 
-def _check_files(root: Path, manifest: Manifest) -> None:
-    """Every listed file inside the bundle and matching its sha256; the module and the reference listed."""
-    for required in (MODULE, REFERENCE):
+def open_module(path: str | Path) -> Bundle:
+    """A module directory (``k3c compile --no-weights``): its manifest, module.vmfb against its
+    sha256 and the facts stamped into it; K3Error names the first problem."""
+    root = Path(path)
+    raw = _manifest_json(root, "module", "not a module written by k3c compile --no-weights")
+    if isinstance(raw, dict) and raw.get("checkpoint"):
+        raise K3Error(f"module: {root} is a bundle with weights already (checkpoint {raw['checkpoint']}); "
+                      "attach takes a module written by k3c compile --no-weights")
+    manifest = _read_manifest(root, raw)
+    _check_files(root, manifest, module_only=True)
+    bundle = Bundle(root, manifest)
+    check_module(bundle)
+    return bundle
+
+
+def _manifest_json(root: Path, what: str, otherwise: str):
+    """The parsed manifest.json of ``root`` (a bundle or a module directory: ``what``)."""
+    mpath = root / MANIFEST
+    if not mpath.is_file():
+        raise K3Error(f"{what}: {root} has no {MANIFEST} ({otherwise})")
+    try:
+        return json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise K3Error(f"{what}: {mpath} is not valid JSON ({e})") from None
+
+
+def _read_manifest(root: Path, raw) -> Manifest:
+    if isinstance(raw, dict) and raw.get("format", FORMAT) != FORMAT:
+        raise K3Error(f"bundle: {root} has format {raw['format']}, this k3c reads format {FORMAT} (compile it again)")
+    try:
+        return Manifest.from_raw(raw)
+    except K3Error as e:
+        raise K3Error(f"bundle: {root / MANIFEST} is not a valid manifest: {e}") from None
+
+
+def _check_files(root: Path, manifest: Manifest, module_only: bool = False) -> None:
+    """Every listed file inside the bundle and matching its sha256; the module and (unless
+    ``no_reference`` says why not) the reference listed."""
+    for required in (MODULE,) if module_only or manifest.no_reference else (MODULE, REFERENCE):
         if required not in manifest.files:
             raise K3Error(f"bundle: the manifest of {root} does not list {required} (a bundle lists every file it holds)")
     for rel, digest in manifest.files.items():
@@ -224,11 +270,11 @@ def _check_checkpoint_hash(bundle: Bundle) -> None:
                       f"of {bundle.root} does not match its checkpoint_hash"))
 
 
-def _first_difference(a, b, prefix: str = "") -> tuple[str, str, str]:
+def first_difference(a, b, prefix: str = "") -> tuple[str, str, str]:
     """The first key (dotted) at which two JSON values differ, and both values as JSON."""
     if isinstance(a, dict) and isinstance(b, dict):
         key = next(k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k))
-        return _first_difference(a.get(key), b.get(key), f"{prefix}{key}.")
+        return first_difference(a.get(key), b.get(key), f"{prefix}{key}.")
     return prefix.rstrip("."), json.dumps(a), json.dumps(b)
 
 
@@ -239,7 +285,7 @@ def _check_config(bundle: Bundle, config) -> None:
     if config.to_dict() == m.config:
         raise K3Error(f"bundle: {bundle.root} was compiled for config {m.config_hash}, but its checkpoint "
                       f"{bundle.checkpoint_dir} has config {config.hash}")
-    key, ours, theirs = _first_difference(m.config, config.to_dict())
+    key, ours, theirs = first_difference(m.config, config.to_dict())
     if config.hash != m.config_hash:
         raise K3Error(f"bundle: {bundle.root} was compiled for config {m.config_hash}, but its checkpoint "
                       f"{bundle.checkpoint_dir} has config {config.hash} ({key}: {ours} vs {theirs})")
@@ -247,12 +293,12 @@ def _check_config(bundle: Bundle, config) -> None:
                   f"has config with {key} = {ours} (edited)")
 
 
-def check_module(bundle: Bundle, dtypes: dict) -> None:
-    """The facts stamped into the module's entry points equal what the manifest and checkpoint say."""
-    import iree.runtime as rt
+def check_module(bundle: Bundle) -> None:
+    """The facts stamped into the module's entry points equal what the manifest says."""
+    import iree.runtime as rt  # deferred heavy import (~1.5 s): only opening a bundle reads its module
 
     m = bundle.manifest
-    want = module_facts(m.config_hash, dtypes, m.target, m.max_prompt, m.batch)
+    want = module_facts(m.config_hash, m.parameters, m.target, m.max_prompt, m.batch)
     try:
         module = rt.VmModule.copy_buffer(rt.VmInstance(), bundle.module_path.read_bytes())
         found = {name: module.lookup_function(name) for name in ENTRY_POINTS}
@@ -265,12 +311,67 @@ def check_module(bundle: Bundle, dtypes: dict) -> None:
         for key, value in want.items():
             if got.get(key) == value:
                 continue
-            if key == "k3c.dtypes":
-                raise K3Error(f"bundle: {bundle.module_path} was compiled for other parameter dtypes than its "
-                              f"checkpoint {bundle.checkpoint_dir} stores")
+            if key == "k3c.parameters":
+                raise K3Error(f"bundle: {bundle.module_path} was compiled for other parameters than its "
+                              f"{MANIFEST} lists (edited manifest or another module)")
             what, theirs, ours = key.removeprefix("k3c."), got.get(key, "(none)"), value
             if key == "k3c.target" and key in got:
-                field_name, theirs, ours = _first_difference(json.loads(got[key]), json.loads(value))
+                field_name, theirs, ours = first_difference(json.loads(got[key]), json.loads(value))
                 what = f"target {field_name}"
             raise K3Error(f"bundle: {bundle.module_path} was compiled for {what} {theirs}, its {MANIFEST} "
                           f"says {ours} (edited manifest or another module)")
+
+
+def check_checkpoint_parameters(bundle: Bundle, config) -> None:
+    """The checkpoint's tensors (headers only) give the parameters the module reads: packed (the
+    program table of pack.py) or, for an ONNX bundle, as stored."""
+    from ..model.checkpoint import TORCH_DTYPES, open_checked, read_header
+    from .pack import checkpoint_table, first_table_difference
+
+    m, ck = bundle.manifest, bundle.checkpoint_dir
+    if m.weights:
+        _, ckpt = open_checked(ck)
+        problem = first_table_difference(m.parameters, checkpoint_table(config, ckpt))
+    else:
+        stored = {k: [str(TORCH_DTYPES[d]).removeprefix("torch."), list(s)]
+                  for f in bundle.parameter_files for k, (d, s) in read_header(f).items()}
+        problem = first_table_difference(m.parameters, {k: v for k, v in stored.items() if k in m.parameters})
+    if problem:
+        raise K3Error(f"bundle: {bundle.module_path} was compiled for other parameter dtypes or shapes than its "
+                      f"checkpoint {ck} stores: the checkpoint {problem}")
+
+
+def _check_archive(bundle: Bundle) -> None:
+    """The archive the module reads was packed from the bundle's checkpoint for its config and holds
+    exactly the parameters the module reads; one outside the bundle is also read whole against its
+    sha256s and must be the one attached (``weights_digest``)."""
+    from .pack import read_archive, verify_archive
+
+    m, path = bundle.manifest, bundle.archive_path
+    if path is None:
+        return
+    if not Path(m.weights).is_absolute():
+        if m.weights not in m.files or ".." in Path(m.weights).parts:
+            raise K3Error(f"bundle: the manifest of {bundle.root} does not list its archive {m.weights}")
+    archive = read_archive(path)
+    if Path(m.weights).is_absolute():
+        verify_archive(archive, log=lambda _: None)
+        if archive.digest != m.weights_digest:
+            raise K3Error(f"bundle: archive {path} changed since it was attached to {bundle.root}")
+    check_archive_fits(archive, m, f"bundle: {bundle.root}")
+
+
+def check_archive_fits(archive, m: Manifest, where: str) -> None:
+    """``archive`` (pack.Archive) is for the manifest's config, checkpoint and parameter table."""
+    from .pack import first_table_difference
+
+    if archive.config_hash != m.config_hash:
+        key, ours, theirs = first_difference(m.config, archive.config) if archive.config != m.config else ("", "", "")
+        detail = f" ({key}: {ours} vs {theirs})" if key else ""
+        raise K3Error(f"{where} was compiled for config {m.config_hash}, archive {archive.path} was packed for "
+                      f"config {archive.config_hash}{detail}")
+    if m.checkpoint_hash and archive.checkpoint_hash != m.checkpoint_hash:
+        raise K3Error(f"{where}: archive {archive.path} was packed from another checkpoint than "
+                      f"{m.checkpoint} (or it changed since)")
+    if problem := first_table_difference(m.parameters, archive.parameters):
+        raise K3Error(f"{where}: archive {archive.path} {problem}")

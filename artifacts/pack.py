@@ -1,9 +1,17 @@
-"""The pack step: a checkpoint -> an IREE parameter archive (.irpa) in the program's layout.
+"""The pack step: a checkpoint -> an IREE parameter archive (.irpa) in the program's layout
+(docs/bundle.md §5).
 
 Every program parameter (model/stacking.py) is written once: tensors outside the layers as stored,
 each per-layer tensor kind stacked over the layers of its group, routed experts stacked over E
 within a layer (the release stores one tensor per expert, in name order: experts.10 before
 experts.2; here they are ordered by number). Tensors keep their stored dtypes (bf16 trunk, u8 MXFP4).
+Any layout k3c reads (its own, the K3 release, Kimi Linear from the Hub or transformers) is packed
+straight from its files (model/checkpoint.py presents each as K3Model tensors), never converted first.
+
+The archive describes itself: each parameter's IRPA metadata is JSON ``{"dtype", "shape",
+"sha256"}`` (the sha256 of its bytes), and the entry ``k3c.archive`` holds JSON ``{"format",
+"config", "config_hash", "checkpoint_hash"}``, so a module can be checked against an archive (config,
+names, shapes, dtypes) and an archive against damage and against the checkpoint it came from.
 
 Streaming: each stacked tensor is assembled slice by slice (one checkpoint tensor at a time) into a
 scratch file beside the output, so memory stays at one slice whatever the model's size; IREE then
@@ -11,6 +19,8 @@ writes the archive from that file, which is renamed into place when complete.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import mmap
 import os
@@ -24,7 +34,15 @@ from ..errors import K3Error
 from ..model.checkpoint import TORCH_DTYPES, Checkpoint, open_checked, read_entries
 from ..model.config import K3Config
 from ..model.stacking import EXPERT, place, program_name
-from ..utils.files import sha256_file
+from ..utils.files import hash_dir, sha256_file
+
+META = "k3c.archive"        # the archive's own description (module docstring)
+FORMAT = 1
+ITEMSIZE = {str(d).removeprefix("torch."): d.itemsize for d in TORCH_DTYPES.values()}
+
+# program parameter -> [dtype ("bfloat16", "float32", "float16", "uint8"), shape]: what a module reads
+ParameterTable = dict[str, list]
+
 
 @dataclass
 class Packed:
@@ -55,36 +73,60 @@ def _stacked_shape(ckpt: Checkpoint, program: str, names: list[str]) -> tuple[in
     return (layers, experts, *first.shape) if EXPERT.fullmatch(names[0]) else (layers, *first.shape)
 
 
-def pack(checkpoint: Path, out: Path, log=print) -> Packed:
-    """Write the archive for the checkpoint at ``checkpoint`` to ``out`` (atomically)."""
-    import iree.runtime as rt
+def checkpoint_table(cfg: K3Config, ckpt: Checkpoint) -> ParameterTable:
+    """The program parameters a checkpoint packs into, from its headers: the tensors stacked into
+    one parameter must share a stored dtype (else a K3Error naming the one that differs)."""
+    table = {}
+    for program, names in program_members(cfg, ckpt).items():
+        dtypes = {ckpt.entries[n].dtype for n in names}
+        if len(dtypes) > 1:
+            first = ckpt.entries[names[0]].dtype
+            odd = next(ckpt.entries[n] for n in names if ckpt.entries[n].dtype != first)
+            raise K3Error(f"{odd.file}: tensor '{odd.key}' is stored {odd.dtype}, the other tensors of "
+                          f"parameter {program} (e.g. '{ckpt.entries[names[0]].key}') {first}: one parameter "
+                          "is read at one dtype")
+        dtype = str(TORCH_DTYPES[dtypes.pop()]).removeprefix("torch.")
+        table[program] = [dtype, list(_stacked_shape(ckpt, program, names))]
+    return table
+
+
+def pack(checkpoint: Path, out: Path, *, checkpoint_hash: str | None = None, log=print) -> Packed:
+    """Write the archive for the checkpoint at ``checkpoint`` to ``out`` (atomically);
+    ``checkpoint_hash`` (utils.files.hash_dir of it) when the caller has it already."""
+    import iree.runtime as rt  # deferred heavy import (~1.5 s): only packing writes an archive
 
     t0 = time.perf_counter()
     model, ckpt = open_checked(checkpoint)
-    members = program_members(model.cfg, ckpt)
+    cfg = model.cfg
+    members, table = program_members(cfg, ckpt), checkpoint_table(cfg, ckpt)
+    meta = json.dumps({"format": FORMAT, "config": cfg.to_dict(), "config_hash": cfg.hash,
+                       "checkpoint_hash": checkpoint_hash or hash_dir(ckpt.directory)}, sort_keys=True)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch, tmp = out.with_name(f".{out.name}.scratch"), out.with_name(f".{out.name}.tmp")
     layout, offset = {}, 0
-    for program, names in members.items():
-        shape = _stacked_shape(ckpt, program, names)
-        nbytes = math.prod(shape) * TORCH_DTYPES[ckpt.entries[names[0]].dtype].itemsize
-        layout[program] = (offset, nbytes, names)
-        offset += nbytes
+    for program, (dtype, shape) in table.items():
+        layout[program] = (offset, math.prod(shape) * ITEMSIZE[dtype])
+        offset += layout[program][1]
     try:
         with open(scratch, "wb") as f:
             f.truncate(offset)
         with open(scratch, "r+b") as f, mmap.mmap(f.fileno(), max(offset, 1)) as view:
-            order = {name: program for program, (_, _, names) in layout.items() for name in names}
-            cursor = {program: start for program, (start, _, _) in layout.items()}
+            program_of = {name: program for program, names in members.items() for name in names}
+            cursor = {program: start for program, (start, _) in layout.items()}
+            digests = {program: hashlib.sha256() for program in layout}
             for name, t in read_entries(ckpt, [n for names in members.values() for n in names], "packing"):
-                raw = t.contiguous().view(-1).view(torch.uint8).numpy()
-                at = cursor[order[name]]
-                view[at:at + raw.size] = raw.tobytes()
-                cursor[order[name]] = at + raw.size
+                raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                program = program_of[name]
+                view[cursor[program]:cursor[program] + len(raw)] = raw
+                cursor[program] += len(raw)
+                digests[program].update(raw)
             index = rt.ParameterIndex()
-            for program, (start, nbytes, _) in layout.items():
-                index.add_buffer(program, memoryview(view)[start:start + nbytes])
+            for program, (start, nbytes) in layout.items():
+                dtype, shape = table[program]
+                index.add_buffer(program, memoryview(view)[start:start + nbytes], metadata=json.dumps(
+                    {"dtype": dtype, "shape": shape, "sha256": digests[program].hexdigest()}))
+            index.add_buffer(META, meta.encode())
             index.create_archive_file(str(tmp))
             del index
         os.replace(tmp, out)
@@ -96,3 +138,84 @@ def pack(checkpoint: Path, out: Path, log=print) -> Packed:
     packed = Packed(out, sha256_file(out), len(layout), offset, time.perf_counter() - t0)
     log(f"packed {packed.parameters} parameters ({packed.bytes / 1e6:.1f} MB) into {out} in {packed.seconds:.1f}s")
     return packed
+
+
+@dataclass
+class Archive:
+    """What an archive says of itself (module docstring), read from its index without its data."""
+    path: Path
+    config: dict
+    config_hash: str
+    checkpoint_hash: str
+    parameters: ParameterTable
+    sha256: dict[str, str]           # parameter -> sha256 of its bytes
+
+    @property
+    def digest(self) -> str:
+        """One hash naming the archive's contents: over its parameters' sha256."""
+        return hashlib.sha256(json.dumps(self.sha256, sort_keys=True).encode()).hexdigest()
+
+
+def _index(path: Path):
+    import iree.runtime as rt
+
+    if not path.is_file():
+        raise K3Error(f"archive {path} does not exist")
+    index = rt.ParameterIndex()
+    try:
+        index.load(str(path))
+    except (IndexError, ValueError, RuntimeError) as e:
+        why = str(e).split("; ", 1)[-1].splitlines()[0][:160]
+        raise K3Error(f"archive {path} is not a readable IREE parameter archive ({why})") from None
+    return index
+
+
+def read_archive(path: str | Path) -> Archive:
+    """The archive's description, each parameter's recorded size checked against the bytes it holds;
+    a K3Error naming the first problem (not an archive, damaged index, not packed by k3c pack)."""
+    path = Path(path)
+    index = _index(path)
+    entries = dict(index.items())
+    if META not in entries:
+        raise K3Error(f"archive {path} has no {META} entry: it was not written by k3c pack")
+    try:
+        meta = json.loads(bytes(entries.pop(META).file_view))
+        if meta.get("format") != FORMAT:
+            raise K3Error(f"archive {path} has format {meta.get('format')!r}, this k3c reads format {FORMAT} "
+                          "(pack it again)")
+        config, config_hash, checkpoint_hash = meta["config"], meta["config_hash"], meta["checkpoint_hash"]
+        parameters, sha256 = {}, {}
+        for name, e in entries.items():
+            desc = json.loads(e.metadata)
+            dtype, shape = desc["dtype"], [int(d) for d in desc["shape"]]
+            if math.prod(shape) * ITEMSIZE[dtype] != e.length:
+                raise K3Error(f"archive {path}: parameter '{name}' holds {e.length} bytes, its description "
+                              f"says {dtype} {shape}")
+            parameters[name], sha256[name] = [dtype, shape], desc["sha256"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise K3Error(f"archive {path}: its description is damaged ({type(e).__name__}: {e})") from None
+    return Archive(path, config, config_hash, checkpoint_hash, parameters, sha256)
+
+
+def verify_archive(archive: Archive, log=print) -> None:
+    """Read every parameter's bytes and compare them with its recorded sha256 (a damaged archive is a
+    K3Error naming the first parameter that differs)."""
+    t0 = time.perf_counter()
+    index = _index(archive.path)
+    for name, e in index.items():
+        if name != META and hashlib.sha256(e.file_view).hexdigest() != archive.sha256.get(name):
+            raise K3Error(f"archive {archive.path}: parameter '{name}' does not match its sha256 (damaged)")
+    log(f"verified {len(archive.sha256)} parameters of {archive.path} in {time.perf_counter() - t0:.1f}s")
+
+
+def first_table_difference(want: ParameterTable, got: ParameterTable) -> str | None:
+    """How ``got`` (what is provided) differs from ``want`` (what a module reads), as a clause naming
+    the first parameter: missing, extra, or of another dtype or shape; None when equal."""
+    for name in sorted(want.keys() | got.keys()):
+        if name not in got:
+            return f"has no parameter '{name}' ({want[name][0]} {want[name][1]})"
+        if name not in want:
+            return f"has a parameter '{name}' the module does not read"
+        if got[name] != want[name]:
+            return f"has '{name}' as {got[name][0]} {got[name][1]}, the module reads {want[name][0]} {want[name][1]}"
+    return None

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import resource
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import cache
 
@@ -93,6 +94,7 @@ def compile_mlir(mlir: str, target: Target, log=print) -> bytes:
     """iree-compile a torch-dialect module (custom ops already lowered) for ``target``: the command
     line iree.compiler.compile_str would run, run as a child that dies with k3c (SIGKILL included;
     on SIGTERM or Ctrl-C subprocess.run kills it as the exception passes)."""
+    # deferred heavy import (~0.3 s): a session on the run path needs the targets, not the compiler
     from iree.compiler.tools.core import CompilerOptions, build_compile_command_line
     from iree.compiler.tools.debugging import TempFileSaver
 
@@ -160,9 +162,7 @@ class TargetStatus:
 
 def target_statuses() -> list[TargetStatus]:
     """Every known target probed here. The probes compile in parallel (each an iree-compile process)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from rich.console import Console
+    from rich.console import Console  # deferred: only `k3c targets` draws progress
     from rich.progress import track
 
     targets = [parse_target(spec) for spec in KNOWN_TARGETS]

@@ -17,9 +17,7 @@ where they are loaded: one module serves every checkpoint of the same config. Th
 """
 from __future__ import annotations
 
-import contextlib
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +27,6 @@ from torch.export import Dim, export
 from torch.export.graph_signature import InputKind
 
 from iree.compiler import ir
-from iree.compiler.dialects import util
 from iree.compiler.extras.fx_importer import FxImporter, FxImporterHooks
 from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
@@ -37,10 +34,12 @@ from ..errors import K3Error
 from ..model import K3Model
 from ..model.attnres import attn_res
 from ..model.norms import upcast
-from ..model.stacking import layer_groups, place, program_dtypes
-from .layers import BODIES, LayerBody
+from ..model.stacking import layer_groups, layer_runs, place, program_dtypes
+from ..ops.base import TensorType
+from ..utils.quiet import leafspec_deprecation_silenced
+from .layers import BODIES, RUNS, LayerBody, RunBody
+from .parameters import declare_parameter, load_parameter
 
-SCOPE = "model"
 _TORCH_DTYPE_CODE = {torch.float32: 6, torch.float64: 7, torch.float16: 5, torch.bfloat16: 15}
 
 
@@ -58,8 +57,9 @@ class ExportedModule:
 
 
 class Program(nn.Module):
-    """One entry point over the whole model: the embedding, one placeholder call per layer
-    (exporter/layers.py), the output AttnRes, norm and lm_head. ``mode``: "prefill" starts a
+    """One entry point over the whole model: the embedding, the layers as runs (model/stacking.py
+    ``layer_runs``: a run that repeats is one ``k3x.layer_loop`` over its ``RunBody``, a single layer
+    is its RunBody called once), the output AttnRes, norm and lm_head. ``mode``: "prefill" starts a
     sequence, "extend" continues one by a prompt piece, "decode" feeds one token. Only the tensors
     outside the layers are its own (named as in the checkpoint)."""
 
@@ -73,47 +73,48 @@ class Program(nn.Module):
                 setattr(self.model, name, getattr(model.model, name))
         self.lm_head = model.lm_head
         self.kinds = [k for k in ("kda", "mla") if k in cfg.layer_kinds]
+        self.state_names = [s for k in self.kinds for s in STATE_OF[k]]
+        self.slots_of = {k: cfg.layer_kinds.count(k) for k in self.kinds}
         self.rows = sum(map(cfg.closes_block, range(cfg.num_hidden_layers))) + 1
+        self.runs = {}
+        for i, run in enumerate(layer_runs(cfg)):
+            key = f"{mode}.{i}"
+            self.runs[key] = RUNS[key] = RunBody(self, run, key)
 
     def body(self, group: str, kind: str) -> str:
-        """Each entry point calls bodies of its own (``BODY_FORMS``): IREE 3.13 needs every call of
-        an out-of-line function to pass arguments of one lifetime, and prefill's zero KDA state is a
-        temporary where extend's comes from the caller."""
+        """Each entry point calls bodies of its own (``BODY_FORMS``)."""
         return f"{group}.start" if self.mode == "prefill" and kind == "mla" else f"{group}.{self.mode}"
 
-    def forward(self, tokens, *state):
+    def new_state(self, p: torch.Tensor, given: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Zero stacks for the state after this call (filled layer by layer); MLA caches L + T long."""
+        cfg, (B, T, _) = self.cfg, p.shape
+        H, K, W = cfg.kda_heads, cfg.kda_head_dim, cfg.conv_size
+        L = given[-1].shape[2] if given and "mla" in self.kinds else 0
+        shapes = {"kda_conv": ((cfg.layer_kinds.count("kda"), B, 3, H * K, W - 1), p.dtype),
+                  "kda_S": ((cfg.layer_kinds.count("kda"), B, H, K, K), upcast(p).dtype),
+                  "mla_cache": ((cfg.layer_kinds.count("mla"), B, L + T, cfg.mla_cache_width), p.dtype)}
+        return [p.new_zeros(*shapes[s][0], dtype=shapes[s][1]) for s in self.state_names]
+
+    def forward(self, tokens, *given):
         cfg, m = self.cfg, self.model
         p = m.embed_tokens(tokens)
         B, T, D = p.shape
-        H, K, W = cfg.kda_heads, cfg.kda_head_dim, cfg.conv_size
-        given = dict(zip([s for k in self.kinds for s in STATE_OF[k]], state))
-        convs, Ss, caches, hidden = [], [], [], []
-        E, n = p.new_zeros(self.rows, B, T, D), 0
-        for i, (group, j) in enumerate(self.places):
-            E = E.slice_scatter(p.unsqueeze(0), 0, n, n + 1)
-            args = (E, torch.tensor([n, int(cfg.closes_block(i)), j], dtype=torch.int32))
-            kind, slot, body = cfg.layer_kinds[i], self.slots[i], self.body(group, cfg.layer_kinds[i])
-            if kind == "kda":
-                conv = given["kda_conv"][slot] if given else p.new_zeros(B, 3, H * K, W - 1)
-                S = given["kda_S"][slot] if given else upcast(p).new_zeros(B, H, K, K)
-                p, conv, S = torch.ops.k3x.kda_layer(*args, conv, S, body)
-                convs.append(conv)
-                Ss.append(S)
+        carry = [p.new_zeros(self.rows, B, T, D), p, *self.new_state(p, list(given))]
+        if self.mode == "prefill":
+            carry.append(p.new_zeros(cfg.num_hidden_layers, B, T, D))
+        for key, body in self.runs.items():
+            if body.run.count == 1:
+                carry = list(body(torch.zeros(1, dtype=torch.long, device=p.device), *carry, *given))
             else:
-                if given:
-                    p, cache = torch.ops.k3x.mla_layer(*args, given["mla_cache"][slot], body)
-                else:
-                    p, cache = torch.ops.k3x.mla_layer_start(*args, cfg.mla_cache_width, body).split(
-                        (D, cfg.mla_cache_width), dim=-1)
-                caches.append(cache)
-            n += int(cfg.closes_block(i))
-            hidden.append(p)
+                carry = list(torch.ops.k3x.layer_loop(carry, list(given), body.run.count, key))
+        E, p, *out = carry
         if cfg.uses_attn_res:
-            p = attn_res(list(E[:n].unbind(0)), p, m.output_attn_res_proj.weight, m.output_attn_res_norm.weight)
+            p = attn_res(list(E[:self.rows - 1].unbind(0)), p, m.output_attn_res_proj.weight,
+                         m.output_attn_res_norm.weight)
         logits = self.lm_head(m.norm(p))
-        new_state = {"kda_conv": convs, "kda_S": Ss, "mla_cache": caches}
-        out = [torch.stack(new_state[s]) for k in self.kinds for s in STATE_OF[k]]
-        return (logits, torch.stack(hidden), *out) if self.mode == "prefill" else (logits, *out)
+        if self.mode == "prefill":
+            return logits, out[-1], *out[:-1]
+        return logits, *out
 
 
 STATE_OF = {"kda": ("kda_conv", "kda_S"), "mla": ("mla_cache",)}
@@ -124,29 +125,10 @@ def stacked_state(state) -> list[torch.Tensor]:
     return [torch.stack(getattr(state, s)) for s in ("kda_conv", "kda_S", "mla_cache") if getattr(state, s)]
 
 
-# torch 2.13's ExportedProgram.run_decompositions deep-copies the module call graph; copying a pytree
-# LeafSpec goes through its deprecated constructor, which warns "`isinstance(treespec, LeafSpec)` is
-# deprecated" (a FutureWarning about torch's own code) once per leaf. Every run_decompositions of
-# k3c's (here, torch.onnx.export's in onnx_export.py, torch-mlir's in passes/trace.py) runs under
-# this filter, which drops only that warning.
-@contextlib.contextmanager
-def leafspec_deprecation_silenced():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                                category=FutureWarning)
-        yield
-
-
 def decompose(program: torch.export.ExportedProgram, table) -> torch.export.ExportedProgram:
     """``program.run_decompositions(table)`` without torch's LeafSpec deprecation warnings."""
     with leafspec_deprecation_silenced():
         return program.run_decompositions(table)
-
-
-def _element_type(dtype: torch.dtype) -> ir.Type:
-    return {torch.float32: ir.F32Type.get(), torch.float16: ir.F16Type.get(), torch.bfloat16: ir.BF16Type.get(),
-            torch.float64: ir.F64Type.get(), torch.uint8: ir.IntegerType.get_signless(8),
-            torch.int64: ir.IntegerType.get_signless(64)}[dtype]
 
 
 class _ParameterHooks(FxImporterHooks):
@@ -158,7 +140,7 @@ class _ParameterHooks(FxImporterHooks):
     def __init__(self, stored: dict[str, torch.dtype]):
         self.stored = stored
         self.names: dict[str, str] = {}
-        self.globals: dict[str, str] = {}
+        self.globals: dict[str, str] = {}   # parameter name -> its global's symbol
         self.module_op = None
 
     def prepare_module(self, module_op):
@@ -169,28 +151,17 @@ class _ParameterHooks(FxImporterHooks):
             return None
         name = self.names[info.input_spec.target]
         traced = value.dtype
-        stored = self.stored.get(name, traced)
-        stored_type = ir.RankedTensorType.get(list(value.shape), _element_type(stored))
-        sym = "__param_" + name.replace(".", "_")
+        stored = TensorType(tuple(value.shape), self.stored.get(name, traced))
         if name not in self.globals:
-            with ir.InsertionPoint.at_block_begin(self.module_op.regions[0].blocks[0]), ir.Location.unknown():
-                init = ir.Attribute.parse(f'#flow.parameter.named<"{SCOPE}"::"{name}"> : {stored_type}')
-                util.GlobalOp(sym, ir.TypeAttr.get(stored_type), sym_visibility="private", initial_value=init)
-            self.globals[name] = str(stored).removeprefix("torch.")
-        loaded = util.GlobalLoadOp(stored_type, ir.FlatSymbolRefAttr.get(sym)).result
-        if stored == traced:
-            return ir.Operation.create("torch_c.from_builtin_tensor", results=[info.ir_type], operands=[loaded]).result
-        vt_stored = ir.Type.parse(str(info.ir_type).replace(_mlir_dtype(traced), _mlir_dtype(stored)))
-        as_torch = ir.Operation.create("torch_c.from_builtin_tensor", results=[vt_stored], operands=[loaded]).result
+            self.globals[name] = declare_parameter(self.module_op, name, stored.builtin)
+        if stored.dtype == traced:
+            return load_parameter(self.globals[name], stored.builtin, info.ir_type)
+        as_torch = load_parameter(self.globals[name], stored.builtin, stored.vtensor)
         code = ir.Operation.create("torch.constant.int", results=[ir.Type.parse("!torch.int")],
                                    attributes={"value": ir.IntegerAttr.get(ir.IntegerType.get_signless(64),
                                                                            _TORCH_DTYPE_CODE[traced])}).result
         return ir.Operation.create("torch.prims.convert_element_type", results=[info.ir_type],
                                    operands=[as_torch, code]).result
-
-
-def _mlir_dtype(dtype: torch.dtype) -> str:
-    return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64"}[dtype]
 
 
 ENTRY_POINTS = ("prefill", "extend", "decode")
@@ -238,7 +209,8 @@ def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None,
                    max_prompt: int = 128, log=print):
     """torch.export of the entry points (``Program``: prefill T in [1, max_prompt], extend T and the
     MLA cache length L dynamic, decode L dynamic) and of one body per layer group and form
-    (exporter/layers.py). Returns ({entry: program}, {body key: (program, LayerBody)}, timings).
+    (exporter/layers.py), and of one iteration of each repeating layer run (``RunBody``).
+    Returns ({entry: program}, {body key: (program, LayerBody)}, {run key: program}, timings).
     The model may live on the meta device: nothing here reads a weight."""
     cfg = model.cfg
     if max_prompt < 2 or max_prompt >= cfg.max_position_embeddings:
@@ -252,7 +224,7 @@ def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None,
     state = [t.to("meta") for t in example_state(model, batch, 2)]
     kinds = [k for k in ("kda", "mla") if k in cfg.layer_kinds]
     state_dims = tuple({} if s != "mla_cache" else {2: L} for k in kinds for s in STATE_OF[k])
-    programs, bodies = {}, {}
+    programs, bodies, runs = {}, {}, {}
     with torch.no_grad():
         # bodies first: the entry points' placeholders run them when traced
         rows = Program(model, "prefill").rows
@@ -268,12 +240,33 @@ def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None,
                 st, dims = [state[-1][0]], ({1: L},)
             dyn = ({} if decode else {2: T}, None) + ((dims,) if dims else ())
             bodies[key] = (_export(body, (E, at, *st), dyn, f"body {key}", timings, log), body)
-        programs["prefill"] = _export(Program(model, "prefill"), (tokens,), ({1: T},), "prefill", timings, log)
-        programs["extend"] = _export(Program(model, "extend"), (tokens, *state), ({1: T}, state_dims),
-                                     "extend", timings, log)
-        programs["decode"] = _export(Program(model, "decode"), (tokens[:, :1], *state), (None, state_dims),
-                                     "decode", timings, log)
-    return programs, bodies, timings
+        inputs = {"prefill": (tokens,), "extend": (tokens, *state), "decode": (tokens[:, :1], *state)}
+        dims = {"prefill": ({1: T},), "extend": ({1: T}, state_dims), "decode": (None, state_dims)}
+        for mode in ENTRY_POINTS:
+            program = Program(model, mode)
+            programs[mode] = _export(program, inputs[mode], dims[mode], mode, timings, log)
+            for key, run in program.runs.items():
+                if run.run.count > 1:
+                    runs[key] = _export(run, *_run_example(program, inputs[mode], T, L), f"run {key}", timings, log)
+    return programs, bodies, runs, timings
+
+
+def _run_example(program: Program, inputs: tuple, T: Dim, L: Dim) -> tuple[tuple, tuple]:
+    """Example arguments (k, *carry, *given) of a RunBody of ``program`` and their dynamic dims."""
+    tokens, *given = inputs
+    p = torch.zeros(*tokens.shape, program.cfg.hidden_size, dtype=program.lm_head.weight.dtype, device="meta")
+    B, t, D = p.shape
+    new = program.new_state(p, given)
+    carry = [p.new_zeros(program.rows, B, t, D), p, *new]
+    seq = program.mode != "decode"                         # T is dynamic
+    carry_dims = [{2: T} if seq else {}, {1: T} if seq else {}]
+    carry_dims += [{2: Dim.AUTO} if s == "mla_cache" else {} for s in program.state_names]
+    if program.mode == "prefill":
+        carry.append(p.new_zeros(program.cfg.num_hidden_layers, B, t, D))
+        carry_dims.append({2: T})
+    given_dims = [{2: L} if s == "mla_cache" else {} for s in program.state_names] if given else []
+    k = torch.zeros(1, dtype=torch.long, device="meta")
+    return (k, *carry, *given), (None, (*carry_dims, *given_dims))
 
 
 
@@ -342,12 +335,13 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
     read at their stored dtypes (``stored_dtypes``: checkpoint tensor name -> dtype on disk)."""
     cfg = model.cfg
     stored = program_dtypes(cfg, stored_dtypes)
-    programs, bodies, timings = trace_programs(model, stored, batch=batch, max_prompt=max_prompt, log=log)
+    programs, bodies, runs, timings = trace_programs(model, stored, batch=batch, max_prompt=max_prompt, log=log)
     with torch.no_grad():
         t0 = time.perf_counter()
         table = get_decomposition_table()
         programs = {k: decompose(v, table) for k, v in programs.items()}
         bodies = {k: (decompose(v, table), body) for k, (v, body) in bodies.items()}
+        runs = {k: decompose(v, table) for k, v in runs.items()}
         timings["decompose_s"] = time.perf_counter() - t0
 
     hooks = _ParameterHooks(stored)
@@ -358,6 +352,9 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         for key, (program, body) in bodies.items():
             hooks.names = body.parameter_names()
             importer.import_program(program, func_name=body_function(key), func_visibility="private")
+        hooks.names = {}
+        for key, program in runs.items():
+            importer.import_program(program, func_name=run_function(key), func_visibility="private")
         for name, program in programs.items():
             hooks.names = {n: n for n, _ in Program(model, name).named_parameters()}
             importer.import_program(program, func_name=name)
@@ -380,17 +377,29 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
 
 def meta_devices_to_cpu(module: ir.Module) -> None:
     """The programs are traced on the meta device, which the graph keeps as ``torch.constant.device
-    "meta"`` on the tensors it creates; torch-mlir lowers only host devices, and the device means
-    nothing to iree-compile, so each becomes "cpu"."""
+    "meta"`` on the tensors it creates and as ``prims.device_put`` where a host constant (a layer
+    run's position table) meets the traced tensors; torch-mlir lowers only host devices, and the
+    device means nothing to iree-compile, so each device becomes "cpu" and each move goes."""
     with module.context:
         cpu = ir.StringAttr.get("cpu")
+        moves = []
 
         def visit(op):
             if op.name == "torch.constant.device" and ir.StringAttr(op.attributes["value"]).value == "meta":
                 op.attributes["value"] = cpu
+            elif op.name == "torch.operator" and ir.StringAttr(op.attributes["name"]).value == "torch.prims.device_put":
+                moves.append(op)
             return ir.WalkResult.ADVANCE
 
         module.operation.walk(visit)
+        for op in moves:
+            op.results[0].replace_all_uses_with(op.operands[0])
+            op.erase()
+
+
+def run_function(key: str) -> str:
+    """The private function one iteration of a layer run is imported as (passes/layer_calls.py loops it)."""
+    return "run_" + key.replace(".", "_")
 
 
 def body_function(key: str) -> str:

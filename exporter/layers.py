@@ -28,6 +28,7 @@ from ..model.norms import upcast
 from ..model.stacking import LayerGroup, stacked_name
 
 BODIES: dict[str, "LayerBody"] = {}  # body key -> body; the placeholders' eager kernels run these
+RUNS: dict[str, "RunBody"] = {}      # run key -> one iteration of a layer run (k3x.layer_loop runs it)
 
 
 @torch.library.custom_op("k3x::kda_layer", mutates_args=())
@@ -64,6 +65,20 @@ def mla_layer_start(E: Tensor, at: Tensor, width: int, body: str) -> Tensor:
 @mla_layer_start.register_fake
 def _(E, at, width, body):
     return E.new_empty(E.shape[1], E.shape[2], E.shape[3] + width)
+
+
+@torch.library.custom_op("k3x::layer_loop", mutates_args=())
+def layer_loop(carry: list[Tensor], given: list[Tensor], count: int, run: str) -> list[Tensor]:
+    """``count`` iterations k = 0, 1, ... of the run body ``run`` (``RunBody``), each taking
+    (k, *carry, *given) and returning the next carry. passes/layer_calls.py makes it an scf.for."""
+    for k in range(count):
+        carry = RUNS[run](torch.tensor([k], device=carry[0].device), *carry, *given)
+    return [t.clone() for t in carry]
+
+
+@layer_loop.register_fake
+def _(carry, given, count, run):
+    return [torch.empty_like(t) for t in carry]
 
 
 def attn_res_masked(V: Tensor, valid: Tensor, w: Tensor, gamma: Tensor) -> Tensor:
@@ -143,3 +158,62 @@ class LayerBody(nn.Module):
         weights = {f"layer.{name}": getattr(self, f"w{i}").index_select(0, at[2:]).squeeze(0).to(dtype)
                    for i, (name, dtype) in enumerate(zip(self.names, self.dtypes))}
         return torch.func.functional_call(self.template, weights, (E, at, *state), strict=True)
+
+
+def _index(t: Tensor, size: int):
+    """A position read from a table entry, as an index into a dimension of ``size`` (an unbacked
+    integer in torch.export, bounded for the checks of select and select_scatter)."""
+    i = t.item()
+    torch._check(i >= 0)
+    torch._check(i < size)
+    return i
+
+
+class RunBody(nn.Module):
+    """One iteration k of a layer run (model/stacking.py ``LayerRun``): its ``period`` layers, each a
+    placeholder call of its group's body. Every per-layer position (bank row n, close, index j in the
+    group, state slot, model layer) is read from a table at row k, so the same code serves every
+    iteration. The carry is (E, p, *new state stacks[, hidden]); ``given`` are the state stacks the
+    entry point received (none in prefill). New state is written into its stack at the layer's slot."""
+
+    def __init__(self, program, run, key: str):
+        super().__init__()
+        cfg = program.cfg
+        self.cfg, self.run, self.key = cfg, run, key
+        object.__setattr__(self, "program", program)   # not a submodule: its weights are not the run's
+        closes = [int(cfg.closes_block(i)) for i in range(cfg.num_hidden_layers)]
+        self.table = [[[sum(closes[:i]), closes[i], program.places[i][1], program.slots[i], i] for i in run.layers(k)]
+                      for k in range(run.count)]
+
+    def forward(self, k, *tensors):
+        program, cfg = self.program, self.cfg
+        names = program.state_names
+        E, p = tensors[:2]
+        new = dict(zip(names, tensors[2:2 + len(names)]))
+        hidden = tensors[2 + len(names)] if program.mode == "prefill" else None
+        given = dict(zip(names, tensors[2 + len(names) + (hidden is not None):]))
+        rows = torch.tensor(self.table, dtype=torch.int32).to(k.device).index_select(0, k).squeeze(0)
+        D = p.shape[-1]
+        for o, layer in enumerate(self.run.layers(0)):
+            at = rows[o, :3]
+            n, slot, i = (_index(rows[o, c], size) for c, size in
+                          ((0, E.shape[0]), (3, self.program.slots_of[cfg.layer_kinds[layer]]), (4, cfg.num_hidden_layers)))
+            E = E.select_scatter(p, 0, n)
+            kind = cfg.layer_kinds[layer]
+            body = program.body(program.places[layer][0], kind)
+            if kind == "kda":
+                conv, S = ((given[s].select(0, slot) if given else torch.zeros_like(new[s][0]))
+                           for s in ("kda_conv", "kda_S"))
+                p, conv, S = torch.ops.k3x.kda_layer(E, at, conv, S, body)
+                new["kda_conv"] = new["kda_conv"].select_scatter(conv, 0, slot)
+                new["kda_S"] = new["kda_S"].select_scatter(S, 0, slot)
+            else:
+                if given:
+                    p, cache = torch.ops.k3x.mla_layer(E, at, given["mla_cache"].select(0, slot), body)
+                else:
+                    p, cache = torch.ops.k3x.mla_layer_start(E, at, cfg.mla_cache_width, body).split(
+                        (D, cfg.mla_cache_width), dim=-1)
+                new["mla_cache"] = new["mla_cache"].select_scatter(cache.to(new["mla_cache"].dtype), 0, slot)
+            if hidden is not None:
+                hidden = hidden.select_scatter(p, 0, i)
+        return (E, p, *new.values(), *([] if hidden is None else [hidden]))

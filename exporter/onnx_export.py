@@ -34,7 +34,8 @@ from ..model import K3Config, K3Model
 from ..model.checkpoint import INDEX_FILE, SINGLE_FILE, load_checkpoint
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
-from .export import leafspec_deprecation_silenced, trace_entry_points
+from ..utils.quiet import leafspec_deprecation_silenced
+from .export import trace_entry_points
 from .onnx_ops import DOMAIN, DOMAIN_VERSION, OPSET
 
 MANIFEST = "k3c-onnx.json"

@@ -21,16 +21,15 @@ import onnx
 import torch
 from google.protobuf.message import DecodeError
 from iree.compiler import ir, passmanager
-from iree.compiler.dialects import util
 from iree.compiler.extras import onnx_importer
 from iree.compiler.tools.import_onnx.importer_externalization_overrides import ELEM_TYPE_TO_SIGNLESS_IR_TYPE
 
 from ..errors import K3Error
 from ..utils.files import inside, sha256_file
-from .export import SCOPE
 from .onnx_export import MANIFEST
 from .onnx_ops import DOMAIN, DOMAIN_VERSION, ONNX_TO_K3, OPSET
 from .operators import custom_ops
+from .parameters import declare_parameter, load_parameter
 
 ENTRY_POINTS = ("prefill", "decode")
 
@@ -130,24 +129,32 @@ def check_files(directory: Path, manifest: dict) -> None:
 def _import_function(model: onnx.ModelProto, module_op, cc, mc, parameters: dict[str, str]) -> None:
     """Import the model's graph as a function of ``module_op``; external-data initializers become
     loads of named parameters (``parameters``: name -> global, created once per module), the other
-    initializers constants. IREE's own externalizing importer feeds its values in the same way."""
-    graph = onnx_importer.ModelInfo(model).main_graph
-    imp = onnx_importer.NodeImporter.define_function(graph, module_op, context_cache=cc, module_cache=mc)
-    for name, tensor in list(graph.initializer_map.items()):
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        builtin = ir.RankedTensorType.get(list(tensor.dims), ELEM_TYPE_TO_SIGNLESS_IR_TYPE[tensor.data_type]())
-        if name not in parameters:
-            parameters[name] = "__param_" + name.replace(".", "_")
-            with ir.InsertionPoint.at_block_begin(module_op.regions[0].blocks[0]), ir.Location.unknown():
-                init = ir.Attribute.parse(f'#flow.parameter.named<"{SCOPE}"::"{name}"> : {builtin}')
-                util.GlobalOp(parameters[name], ir.TypeAttr.get(builtin), sym_visibility="private", initial_value=init)
-        with ir.InsertionPoint(imp._b), ir.Location.name(name):
-            loaded = util.GlobalLoadOp(builtin, ir.FlatSymbolRefAttr.get(parameters[name])).result
-            imp._nv_map[name] = ir.Operation.create("torch_c.from_builtin_tensor", operands=[loaded],
-                                                    results=[cc.tensor_proto_to_type(tensor)]).result
-        del graph.initializer_map[name]  # imported above, not as a constant
-    imp.import_all()
+    initializers constants. The importer sees the external ones as graph inputs (its public path:
+    no weight is read); each such argument of the imported function is then replaced by the load
+    of its parameter and dropped from the signature."""
+    graph = model.graph
+    external = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    kept = [t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in external)
+    onnx_importer.NodeImporter.define_function(onnx_importer.ModelInfo(model).main_graph, module_op,
+                                               context_cache=cc, module_cache=mc).import_all()
+    func = next(op for op in module_op.regions[0].blocks[0].operations
+                if op.operation.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == graph.name)
+    block = func.regions[0].blocks[0]
+    first = len(block.arguments) - len(external)
+    for i, tensor in reversed(list(enumerate(external, first))):
+        stored = ir.RankedTensorType.get(list(tensor.dims), ELEM_TYPE_TO_SIGNLESS_IR_TYPE[tensor.data_type]())
+        if tensor.name not in parameters:
+            parameters[tensor.name] = declare_parameter(module_op, tensor.name, stored)
+        argument = block.arguments[i]
+        with ir.InsertionPoint.at_block_begin(block), ir.Location.name(tensor.name):
+            argument.replace_all_uses_with(load_parameter(parameters[tensor.name], stored, argument.type))
+        block.erase_argument(i)
+    signature = ir.FunctionType(ir.TypeAttr(func.attributes["function_type"]).value)
+    func.attributes["function_type"] = ir.TypeAttr.get(
+        ir.FunctionType.get([a.type for a in block.arguments], signature.results))
 
 
 def import_onnx(directory: Path, log=print) -> ImportedModule:

@@ -5,7 +5,7 @@
     k3.Mxfp4ExpertFfn(z, idx, w, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
         attributes act (string), beta1, beta2 (float) -> y   torch.ops.k3.mxfp4_moe
 
-Shapes and meaning are the torch ops' (model/ops.py). Importing this module registers the schemas
+Shapes and meaning are the torch ops' (ops/). Importing this module registers the schemas
 with ``onnx.defs``, so the checker, shape inference and the exporter know the ops; ``KERNELS`` run
 them in onnx's ReferenceEvaluator by calling the same eager ops.
 """
@@ -18,7 +18,7 @@ from onnx import defs
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
-from ..model import ops  # noqa: F401  (registers torch.ops.k3.*)
+from .. import ops  # noqa: F401  (registers torch.ops.k3.*)
 
 DOMAIN = "k3"
 DOMAIN_VERSION = 1
@@ -102,5 +102,5 @@ KERNELS = [*(_torch_kernel(op_type) for op_type in ONNX_TO_K3), GatherElements]
 
 
 def reference_evaluator(model: str | onnx.ModelProto) -> ReferenceEvaluator:
-    """onnx's ReferenceEvaluator for an exported entry point, with the k3 ops run by model/ops.py."""
+    """onnx's ReferenceEvaluator for an exported entry point, with the k3 ops run by their eager references (ops/)."""
     return ReferenceEvaluator(model, new_ops=KERNELS)

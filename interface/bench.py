@@ -30,23 +30,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import iree.runtime as rt
 import ml_dtypes
 import numpy as np
 import torch
-import torch.utils._pytree as pytree
+from iree.compiler.tools.core import find_tool
 
-from .build import build_bundle, compile_model, export_cached, stored_dtypes
-from ..artifacts.bundle import Bundle, open_bundle
+from .build import build_bundle, compile_model, export_cached, meta_model, published_dtypes
+from ..artifacts.bundle import Bundle, open_bundle, stored_dtypes
 from ..errors import K3Error
 from ..model import K3Config, K3Model
 from ..model.accounting import account
-from ..model.checkpoint import load_checkpoint, stored_dtype
+from ..model.checkpoint import load_checkpoint
 from ..model.config import every_fourth_and_last
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
 from ..exporter.export import stacked_state
 from ..model.model import K3State
 from ..passes.pipeline import Pipeline
+from ..runtimes.readback import to_device
+from ..runtimes.session import Session
 from . import bench_ops
 from .bench_report import SECTIONS
 from ..compiler.targets import Target, parse_target
@@ -73,7 +76,7 @@ class Sizes:
 
 FULL = Sizes("k3-small", 2048, (128, 1024, 4096, 16384), (512, 2048), (512, 2048, 8192),
              (256, 512, 1024, 2048, 4096, 8192), 2048,
-             {"E": 32, "k": 16, "L": 3584, "I": 3072}, 512 << 20, (1024, 4096, 16384), (8, 16, 32), 7, 3)
+             {"E": 32, "k": 16, "L": 3584, "I": 3072}, 512 << 20, (1024, 4096, 16384), (8, 32, 93), 7, 3)
 QUICK = Sizes("k3-tiny", 128, (16, 64, 256), (16, 64), (16, 64), (64, 128, 256, 512), 128,
               {"E": 8, "k": 2, "L": 256, "I": 256}, 32 << 20, (64, 128, 256), (1, 2), 3, 1,
               ("decode", "prefill", "kda", "moe"))  # hybrid and compile need whole models compiled
@@ -116,23 +119,18 @@ class TimedSession:
     prefill and hybrid sections time."""
 
     def __init__(self, bundle: Bundle):
-        import iree.runtime as rt
-
-        from ..runtimes.session import Session
-
         self.session = Session(bundle)
-        self.device, self._asdevice = self.session.config.device, rt.asdevicearray
 
     def on_device(self, state: K3State) -> list:
         """The state as the entry points take it (exporter/export.py stacked_state), on the device."""
-        return [self._asdevice(self.device, t.numpy()) for t in stacked_state(state)]
+        return [to_device(self.session.device, t.numpy()) for t in stacked_state(state)]
 
     def decode(self, token: np.ndarray, state: list) -> np.ndarray:
-        logits, *_ = self.session.program.decode(token, *state)
+        logits, *_ = self.session.call["decode"](token, *state)
         return self.session.host(logits)
 
     def prefill(self, ids: np.ndarray) -> np.ndarray:
-        logits, *_ = self.session.program.prefill(ids)
+        logits, *_ = self.session.call["prefill"](ids)
         return self.session.host(logits)
 
 
@@ -264,15 +262,11 @@ def bench_layers(model: K3Model, tokens, target: Target, rounds: int, log) -> di
 
 
 def _load(vmfb: bytes):
-    import iree.runtime as rt
-
     config = rt.Config("local-task")
     return config.device, rt.load_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb), config).main
 
 
 def bench_kda(cfg: K3Config, sizes: Sizes, target: Target, rounds: int, log) -> dict:
-    import iree.runtime as rt
-
     H, K = cfg.kda_heads, cfg.kda_head_dim
     top = max(sizes.kda_tokens)
     device, chunkwise = _load(bench_ops.kda_module(H, K, top, "chunkwise", target, log))
@@ -295,8 +289,6 @@ def bench_kda(cfg: K3Config, sizes: Sizes, target: Target, rounds: int, log) -> 
 
 
 def bench_moe(cfg: K3Config, sizes: Sizes, target: Target, rounds: int, log) -> dict:
-    import iree.runtime as rt
-
     E, k, L, I = (sizes.moe[x] for x in "EkLI")
     act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
     token, mx = bench_ops.moe_inputs(E, k, L, I)
@@ -356,8 +348,6 @@ print(json.dumps({"rc": r.returncode, "wall_s": time.perf_counter() - t0, "cpu_s
 def iree_compile(mlir: Path, target: Target) -> dict:
     """Run the iree-compile tool on ``mlir`` with the flags compile_mlir uses: wall and CPU seconds
     (user + system, all its threads) and peak resident memory."""
-    from iree.compiler.tools.core import find_tool
-
     cmd = [find_tool("iree-compile"), str(mlir), "--iree-input-type=torch", *target.flags, "-o", os.devnull]
     report = json.loads(subprocess.run([sys.executable, "-c", _MEASURE, *cmd], capture_output=True, text=True,
                                        check=True).stdout)
@@ -372,9 +362,9 @@ def bench_compile(cfg: K3Config, sizes: Sizes, target: Target, work: Path, log) 
     runs for minutes, too long to interleave, and its CPU time hardly moves with other load."""
     files = {}
     for n in sizes.compile_layers:
-        model = K3Model(with_layers(cfg, n)).eval()
-        dtypes = {k: stored_dtype(k, t) for k, t in model.state_dict().items()}
-        module, _ = export_cached(model, dtypes, max_prompt=sizes.max_prompt, log=log)
+        deep = with_layers(cfg, n)
+        model = meta_model(deep)                      # export reads shapes only
+        module, _ = export_cached(model, published_dtypes(deep), max_prompt=sizes.max_prompt, log=log)
         Pipeline.for_target(target).run(module, log=lambda m: None)
         files[n] = work / f"compile-{cfg.hash}-{n}-layers.mlir"
         files[n].write_text(str(module))
@@ -394,8 +384,6 @@ def use_threads(n: int) -> None:
     """n threads for PyTorch and for IREE's local-task workers alike (before IREE's first device).
     On a small shared machine one thread each keeps the comparison fair: threads that wait on each
     other under load from other processes slow eager PyTorch by up to 10x."""
-    import iree.runtime as rt
-
     torch.set_num_threads(n)
     rt.flags.parse_flags(f"--task_topology_group_count={n}")
 

@@ -2,7 +2,7 @@
 
 - KDA prefill (docs/model.md §1): ``torch.k3.kda_chunk`` with a dynamic token count, compiled twice from the
   same export: with the pipeline's chunkwise lowering, and with a token-by-token baseline, an
-  ``scf.for`` over tokens calling the traced one-token recurrence (``kda.kda_recurrent``).
+  ``scf.for`` over tokens calling the traced one-token recurrence (ops/kda.py ``kda_token_scan``).
 - MXFP4 MoE (docs/model.md §4-5): ``torch.k3.mxfp4_moe`` for one token, which the pipeline lowers to its
   decode form (a loop over the picked experts), and the same loop over the experts stored in bf16.
 - Layer parts at prefill: the KDA or MLA attention or the MoE block of one decoder layer over a
@@ -27,56 +27,21 @@ from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 from .build import cache_dir, cache_key, source_hash
 from ..artifacts.bundle import package_versions
 from ..utils.files import atomic_dir, seal_entry, verified_entry
-from ..model import kda, mxfp4, ops  # noqa: F401  (ops registers torch.ops.k3.*)
+from ..ops import kda, mxfp4, mxfp4_moe
+from ..ops.base import TensorType
+from ..ops.mlir import standalone
+from ..ops.numerics import glu_act
+from ..model.kda import l2norm
 from ..exporter.export import decompose
-from ..model.moe import glu_act
-from ..passes import expert_loops
 from ..passes.pipeline import Pipeline, Rewrite
-from ..passes.rewrite import merge_functions
-from ..passes.trace import TensorType, trace_to_linalg
 from ..compiler.targets import Target, compile_mlir
 
-
-def kda_token_scan(sym: str, ins: list[TensorType], consts: list) -> list[str]:
-    """Baseline lowering of ``torch.k3.kda_chunk``: one traced token step inside an scf.for over T."""
-    q, k, v, g, beta, S = ins
-    one = [t.with_dim(1, 1) for t in ins[:5]] + [S]
-    body = trace_to_linalg(kda.kda_recurrent, one, sym + "_token")
-    slices = []
-    for name, t, t1 in zip(("q", "k", "v", "g", "beta"), ins[:5], one):
-        offsets = ", ".join("%i" if d == 1 else "0" for d in range(len(t.shape)))
-        sizes = ", ".join(str(n) for n in t1.shape)
-        strides = ", ".join("1" for _ in t.shape)
-        slices.append(f"%{name}_t = tensor.extract_slice %{name}[{offsets}] [{sizes}] [{strides}] : {t} to {t1}")
-    B, _, H, V = v.shape
-    o1 = one[2]
-    args = ", ".join(str(t) for t in one)
-    wrapper = f"""
-module {{
-  func.func private @{sym}_token({args}) -> ({o1}, {S})
-  func.func @{sym}(%q: {q}, %k: {k}, %v: {v}, %g: {g}, %beta: {beta}, %S0: {S}) -> ({v}, {S}) {{
-    %c0 = arith.constant 0 : index
-    %c1 = arith.constant 1 : index
-    %T = tensor.dim %q, %c1 : {q}
-    %init = tensor.empty(%T) : {v}
-    %r:2 = scf.for %i = %c0 to %T step %c1 iter_args(%out = %init, %S = %S0) -> ({v}, {S}) {{
-      {chr(10).join("      " + s for s in slices).strip()}
-      %o:2 = func.call @{sym}_token(%q_t, %k_t, %v_t, %g_t, %beta_t, %S) : ({args}) -> ({o1}, {S})
-      %o2 = tensor.insert_slice %o#0 into %out[0, %i, 0, 0] [{B}, 1, {H}, {V}] [1, 1, 1, 1] : {o1} into {v}
-      scf.yield %o2, %o#1 : {v}, {S}
-    }}
-    return %r#0, %r#1 : {v}, {S}
-  }}
-}}"""
-    return [body, wrapper]
-
-
-TOKEN_SCAN = Pipeline([Rewrite("torch.k3.kda_chunk", kda_token_scan, "token-by-token KDA baseline")])
+TOKEN_SCAN = Pipeline([Rewrite.of(kda.KDA_CHUNK, kda.TOKEN_SCAN)])
 
 
 class KdaPrefill(nn.Module):
     def forward(self, q, k, v, g, beta, S):
-        return torch.ops.k3.kda_chunk(q, k, v, g, beta, S)
+        return kda.kda_chunk(q, k, v, g, beta, S)
 
 
 class Mxfp4Experts(nn.Module):
@@ -87,27 +52,15 @@ class Mxfp4Experts(nn.Module):
         self.act, self.beta1, self.beta2 = act, beta1, beta2
 
     def forward(self, z, idx, w, w1p, w1s, w3p, w3s, w2p, w2s):
-        return torch.ops.k3.mxfp4_moe(z, idx, w, w1p, w1s, w3p, w3s, w2p, w2s, self.act, self.beta1, self.beta2)
+        return mxfp4_moe.mxfp4_moe(z, idx, w, w1p, w1s, w3p, w3s, w2p, w2s, self.act, self.beta1, self.beta2)
 
 
 def bf16_ffn(act: str, beta1: float, beta2: float):
-    """expert_loops' FFN over one expert stored in bf16: matrices [1, out, in]."""
+    """mxfp4_moe's FFN over one expert stored in bf16: matrices [1, out, in]."""
     def ffn(rows, W1, W3, W2):
         W1, W3, W2 = (W[0].float() for W in (W1, W3, W2))
         return glu_act(act, beta1, beta2, rows @ W1.t(), rows @ W3.t()) @ W2.t()
     return ffn
-
-
-def standalone(texts: list[str], sym: str) -> str:
-    """One module of the functions the MLIR ``texts`` define, ``sym`` public."""
-    with ir.Context(), ir.Location.unknown():
-        module = ir.Module.create()
-        for text in texts:
-            merge_functions(module, text)
-        for f in module.body.operations:
-            if ir.StringAttr(f.attributes["sym_name"]).value == sym:
-                f.attributes["sym_visibility"] = ir.StringAttr.get("public")
-        return str(module)
 
 
 def lower(module: nn.Module, examples: tuple, pipeline: Pipeline, dynamic_shapes=None) -> str:
@@ -141,7 +94,7 @@ def kda_inputs(T: int, H: int, K: int, seed: int = 0) -> list[np.ndarray]:
     """Realistic KDA operands: L2-normalised q (scaled) and k, log-decays in (-5, 0), beta in (0, 1)."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    q, k = kda.l2norm(r(1, T, H, K)) * K ** -0.5, kda.l2norm(r(1, T, H, K))
+    q, k = l2norm(r(1, T, H, K)) * K ** -0.5, l2norm(r(1, T, H, K))
     g = -5.0 * torch.sigmoid(r(1, T, H, K))
     return [t.numpy() for t in (q, k, r(1, T, H, K), g, torch.sigmoid(r(1, T, H)), 0.1 * r(1, H, K, K))]
 
@@ -191,9 +144,11 @@ def moe_module(form: str, act: tuple[str, float, float], token: list[np.ndarray]
             args = [torch.from_numpy(a) for a in token + weights]
             return lower(Mxfp4Experts(*act), tuple(args), Pipeline.for_target(target))
         k = token[1].shape[1]
-        types = [TensorType((1, L), "f32"), TensorType((1, k), "i64"), TensorType((1, k), "f32")]
-        types += [TensorType(tuple(w.shape), "bf16") for w in weights]
-        return standalone(expert_loops.by_slot("main", types, expert_loops.traced_slot(bf16_ffn(*act))), "main")
+        types = [TensorType((1, L), torch.float32), TensorType((1, k), torch.int64), TensorType((1, k), torch.float32)]
+        types += [TensorType(tuple(w.shape), torch.bfloat16) for w in weights]
+        with ir.Context():
+            texts = mxfp4_moe.by_slot("main", types, mxfp4_moe.traced_slot(bf16_ffn(*act)))
+        return standalone(texts, "main", "the bf16 experts")
     spec = {"E": E, "k": token[1].shape[1], "L": L, "I": I, "act": list(act)}
     return compile_cached(f"moe-{form}", spec, make, target, log)
 

@@ -113,7 +113,7 @@ def markdown(result: dict) -> str:
 
 def plot(result: dict, out: Path) -> None:
     """One panel per section present; written atomically to ``out`` (PNG)."""
-    import matplotlib
+    import matplotlib  # deferred heavy optional import (~1 s): only --plot draws
     import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,44 +1,60 @@
-"""Build a bundle: checkpoint -> export -> passes -> iree-compile -> reference outputs -> sealed bundle.
+"""Build a bundle: checkpoint -> export -> passes -> iree-compile -> pack -> reference outputs -> sealed bundle.
 
 The compiled module depends only on the config, the stored dtypes, the target and the compiler
 inputs, never on weight values, so it is cached by a hash of those (``K3C_CACHE``, default
-``~/.cache/k3c``) and shared by every checkpoint of the same config.
+``~/.cache/k3c``) and shared by every checkpoint of the same config. The model is never built with
+its weights to compile it: export runs on the meta device, the pack step streams the checkpoint
+(artifacts/pack.py), and only the reference outputs need the float32 model, computed when it fits
+in memory (docs/bundle.md §6). ``attach_weights`` makes a bundle of a module compiled with
+``--no-weights`` and a checkpoint, without compiling again.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
+import resource
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
+from iree.compiler import ir
 
 from ..errors import K3Error
+from . import DEFAULT_MAX_PROMPT
 from ..model import K3Config, K3Model
-from ..model.checkpoint import TORCH_DTYPES, checkpoint_dir, load_checkpoint, open_checked, stored_dtype
-from ..model.accounting import require_memory
+from ..model.checkpoint import TORCH_DTYPES, checkpoint_dir, load_checkpoint, open_checked
+from ..model.accounting import published_dtype
+from ..model.shapes import memory_shortfall, require_memory
 from ..model.stacking import to_checkpoint
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
 from ..compiler.targets import Target, compile_mlir
 from ..utils.files import atomic_dir, check_output, hash_dir, seal_entry, verified_entry
-from ..artifacts.pack import pack
-from ..artifacts.bundle import ARCHIVE, ENTRY_POINTS, Bundle, Manifest, module_facts, open_bundle, package_versions, seal, stored_dtypes
+from ..artifacts.pack import ParameterTable, checkpoint_table, first_table_difference, pack, read_archive, verify_archive
+from ..artifacts.bundle import (ARCHIVE, ENTRY_POINTS, FORMAT, MODULE, REFERENCE, Bundle, Manifest, check_archive_fits,
+                                first_difference, module_facts, open_bundle, open_module, package_versions, seal)
+from ..exporter.export import export_model
+from ..passes.pipeline import Pipeline
+from ..runtimes.tokenizer import TOKENIZER_FILES, load_tokenizer, write_byte_level_tokenizer
 
-PROMPT_LEN = 24
+# The validation prompt (prefill in one call, then DECODE_STEPS greedy steps): 600 tokens cross the
+# KDA prefill's blocks on every target (the CPU's 256-token blocks: two whole and a partial third).
+PROMPT_LEN = 600
 DECODE_STEPS = 8
-EXPORT_SOURCES = ("model", "exporter")                 # what shapes the exported torch-dialect module
-COMPILE_SOURCES = ("model", "exporter", "passes")      # ... and the compiled one
+EXPORT_SOURCES = ("ops", "model", "exporter")           # what shapes the exported torch-dialect module
+COMPILE_SOURCES = ("ops", "model", "exporter", "passes")  # ... and the compiled one
 
 
 @dataclass
 class Compiled:
     vmfb: bytes
     entry_points: dict
+    parameters: ParameterTable     # what the module reads (``module_parameters``)
     key: str
 
 
@@ -47,11 +63,12 @@ def cache_dir() -> Path:
 
 
 def source_hash(dirs: tuple[str, ...] = COMPILE_SOURCES) -> str:
-    """Hash of the code in ``dirs`` (the code that shapes a cached module), so a change misses the cache."""
+    """Hash of the code in ``dirs`` (the code and the MLIR templates that shape a cached module), so a
+    change misses the cache."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for d in dirs:
-        for f in sorted((root / d).rglob("*.py")):
+        for f in sorted(p for pattern in ("*.py", "*.mlir") for p in (root / d).rglob(pattern)):
             h.update(f.read_bytes())
     return h.hexdigest()
 
@@ -64,10 +81,6 @@ def cache_key(**parts) -> str:
 def export_cached(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt: int, batch: int = 1, log=print):
     """The torch-dialect module (before passes) and its entry points, from the cache when the config,
     dtypes, shapes, k3c sources and package versions match; exported (and cached) otherwise."""
-    from iree.compiler import ir
-
-    from ..exporter.export import export_model
-
     cached = cache_dir() / "export" / cache_key(
         config=model.cfg.hash, dtypes={k: str(v) for k, v in sorted(dtypes.items())}, max_prompt=max_prompt,
         batch=batch, source=source_hash(EXPORT_SOURCES), versions=package_versions())
@@ -85,33 +98,51 @@ def export_cached(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt:
 
 def compile_model(model: K3Model, dtypes: dict[str, torch.dtype], target: Target, *, max_prompt: int,
                   batch: int = 1, log=print) -> Compiled:
-    """Export (once per config, shared by every target), lower and compile ``model`` for ``target``,
-    or fetch the compiled module from the cache."""
-    from ..passes.pipeline import Pipeline
-
+    """Export (once per config, shared by every target), lower and compile ``model`` (its weights
+    unread: the meta device will do) for ``target``, or fetch the compiled module from the cache."""
     key = cache_key(config=model.cfg.hash, dtypes={k: str(v) for k, v in sorted(dtypes.items())},
                     target=target.to_dict(), max_prompt=max_prompt, batch=batch, source=source_hash(),
-                    versions=package_versions())
+                    versions=package_versions(), bundle_format=FORMAT)
     cached = cache_dir() / key
-    if verified_entry(cached, ("module.vmfb", "entry_points.json"), log):
+    files = ("module.vmfb", "entry_points.json", "parameters.json")
+    if verified_entry(cached, files, log):
         log(f"compiled module found in cache ({cached})")
-        return Compiled((cached / "module.vmfb").read_bytes(), json.loads((cached / "entry_points.json").read_text()), key)
+        return Compiled(*(f.read_bytes() if f.suffix == ".vmfb" else json.loads(f.read_text())
+                          for f in (cached / name for name in files)), key)
     module, entry_points = export_cached(model, dtypes, max_prompt=max_prompt, batch=batch, log=log)
     Pipeline.for_target(target).run(module, log=log)
-    stamp(module, module_facts(model.cfg.hash, dtypes, target.to_dict(), max_prompt, batch))
+    parameters = module_parameters(module)
+    stamp(module, module_facts(model.cfg.hash, parameters, target.to_dict(), max_prompt, batch))
     vmfb = compile_mlir(str(module), target, log=log)
     with atomic_dir(cached) as tmp:
         (tmp / "module.vmfb").write_bytes(vmfb)
         (tmp / "entry_points.json").write_text(json.dumps(entry_points))
+        (tmp / "parameters.json").write_text(json.dumps(parameters))
         seal_entry(tmp)
-    return Compiled(vmfb, entry_points, key)
+    return Compiled(vmfb, entry_points, parameters, key)
+
+
+_PARAMETER = re.compile(r'#flow\.parameter\.named<"[^"]*"::"(?P<name>[^"]+)">')
+_ELEMENT = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i8": "uint8", "ui8": "uint8"}
+
+
+def module_parameters(module) -> ParameterTable:
+    """What a lowered module reads: each ``util.global`` initialised from a named parameter, as
+    [dtype, shape] (pack.ParameterTable), from the module itself."""
+    table = {}
+    with module.context:
+        for op in module.body.operations:
+            init = op.attributes["initial_value"] if "initial_value" in op.attributes else None
+            m = _PARAMETER.match(str(init)) if init is not None else None
+            if m:
+                t = ir.RankedTensorType(ir.TypeAttr(op.attributes["type"]).value)
+                table[m["name"]] = [_ELEMENT[str(t.element_type)], list(t.shape)]
+    return dict(sorted(table.items()))
 
 
 def stamp(module, facts: dict[str, str]) -> None:
     """Put ``facts`` (bundle.module_facts) into the reflection metadata of the module's entry points,
     where iree-compile keeps them and the verifier of a bundle reads them back (bundle.check_module)."""
-    from iree.compiler import ir
-
     with module.context:
         attr = ir.DictAttr.get({k: ir.StringAttr.get(v) for k, v in facts.items()})
         for op in module.body.operations:
@@ -139,13 +170,35 @@ def validation_prompt(cfg: K3Config, length: int = PROMPT_LEN, seed: int = 0) ->
     return torch.randint(0, cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).numpy()
 
 
+def checkpoint_reference(checkpoint: Path, max_prompt: int) -> dict[str, np.ndarray] | str:
+    """The reference outputs (``reference_outputs``) of the float32 model on ``checkpoint``, or, when
+    that model does not fit in memory (estimated first: model.shapes.memory_shortfall), why not."""
+    cfg = K3Config.from_hf(checkpoint)
+    if (why := memory_shortfall(cfg, torch.float32)) is not None:
+        return why
+    model = load_checkpoint(checkpoint, dtype=torch.float32)
+    return reference_outputs(model, validation_prompt(cfg, min(PROMPT_LEN, max_prompt)), DECODE_STEPS)
+
+
+def write_reference(dest: Path, checkpoint: Path, max_prompt: int, log) -> str:
+    """Write reference.npz into ``dest``; "" when written, else why not (logged in one line)."""
+    t0 = time.perf_counter()
+    ref = checkpoint_reference(checkpoint, max_prompt)
+    if isinstance(ref, str):
+        log(f"no reference outputs: {ref}; validate it layer by layer (k3c validate --layers)")
+        return f"{ref} when the bundle was built"
+    np.savez(dest / REFERENCE, **ref)
+    log(f"computed PyTorch reference outputs in {time.perf_counter() - t0:.1f}s")
+    return ""
+
+
 def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkpoint: Path | None = None,
-                 seed: int = 0, max_prompt: int = 128, force: bool = True, log=print) -> Bundle:
+                 seed: int = 0, max_prompt: int = DEFAULT_MAX_PROMPT, force: bool = True, log=print) -> Bundle:
     """Write a sealed bundle at ``out``. With ``preset``, a random checkpoint (``seed``) is created
-    inside the bundle; with ``checkpoint``, the bundle refers to it by absolute path and hash (a
-    checkpoint whose names or shapes differ from the module's parameters, such as Kimi Linear's or
-    the K3 release's, is converted once into k3c's layout inside the bundle). ``out`` follows
-    utils.files.check_output (``force``: replace a bundle written before)."""
+    inside the bundle; with ``checkpoint`` (any layout model/checkpoint.py reads), the bundle refers
+    to it by absolute path and hash and packs it as it is (no converted copy). The model is compiled
+    from shapes, so a checkpoint too large for memory is built too, without reference outputs.
+    ``out`` follows utils.files.check_output (``force``: replace a bundle written before)."""
     if (preset is None) == (checkpoint is None):
         raise K3Error("compile: give exactly one of --preset and --checkpoint")
     checkpoint = None if checkpoint is None else checkpoint_dir(checkpoint)
@@ -160,20 +213,65 @@ def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkp
             log(f"wrote random {preset} checkpoint (seed {seed}) in {time.perf_counter() - t0:.1f}s")
             ck_dir, ck_ref = tmp / "checkpoint", "checkpoint"
         else:
-            ck_dir = checkpoint_dir(checkpoint)
-            ck_ref, cfg = str(ck_dir), K3Config.from_hf(ck_dir)
-        t0 = time.perf_counter()
-        model = load_checkpoint(ck_dir, dtype=torch.float32)
-        log(f"loaded checkpoint in {time.perf_counter() - t0:.1f}s")
-        carry_tokenizer(tmp / "tokenizer", None if preset is not None else ck_dir, cfg.vocab_size, log)
-        if not open_checked(ck_dir)[1].in_model_layout:  # the module reads K3Model's names and shapes
-            save_checkpoint(model, tmp / "checkpoint")       # k3c's layout: read back as it is written
-            ck_dir, ck_ref = tmp / "checkpoint", "checkpoint"
-            model = load_checkpoint(ck_dir, dtype=torch.float32)  # the reference runs what the module reads
-            log("converted the checkpoint to k3c tensor names inside the bundle")
-        compiled = compile_model(model, stored_dtypes(ck_dir), target, max_prompt=max_prompt, log=log)
-        pack(ck_dir, tmp / ARCHIVE, log=log)
-        _seal_bundle(tmp, model, ck_dir, ck_ref, compiled.vmfb, compiled.entry_points, target, max_prompt, log)
+            ck_dir, ck_ref = checkpoint, str(checkpoint)
+        model, ckpt = open_checked(ck_dir)          # headers only; the model is on the meta device
+        table, ck_hash = checkpoint_table(model.cfg, ckpt), hash_dir(ck_dir)
+        pack(ck_dir, tmp / ARCHIVE, checkpoint_hash=ck_hash, log=log)  # reads every tensor: bad data fails first
+        carry_tokenizer(tmp / "tokenizer", None if preset is not None else ck_dir, model.cfg.vocab_size, log)
+        dtypes = {name: TORCH_DTYPES[e.dtype] for name, e in ckpt.entries.items()}
+        compiled = compile_model(model.eval(), dtypes, target, max_prompt=max_prompt, log=log)
+        if problem := first_table_difference(compiled.parameters, table):
+            raise K3Error(f"compile: checkpoint {ck_dir} {problem}")
+        manifest = Manifest(config=model.cfg.to_dict(), config_hash=model.cfg.hash, checkpoint_hash=ck_hash,
+                            checkpoint=ck_ref, target=target.to_dict(), entry_points=compiled.entry_points, batch=1,
+                            max_prompt=max_prompt, parameters=compiled.parameters, weights=ARCHIVE)
+        _assemble(tmp, compiled.vmfb, manifest, ck_dir, log)
+    log(f"bundle written to {out} in {time.perf_counter() - t_start:.1f}s")
+    return open_bundle(out)
+
+
+def _assemble(tmp: Path, vmfb: bytes, manifest: Manifest, ck_dir: Path, log) -> None:
+    """Write the module and the reference outputs of ``ck_dir`` into ``tmp`` and seal it with ``manifest``."""
+    (tmp / MODULE).write_bytes(vmfb)
+    manifest.no_reference = write_reference(tmp, ck_dir, manifest.max_prompt, log)
+    seal(tmp, manifest)
+
+
+def attach_weights(module_dir: Path, checkpoint: Path, out: Path | None = None, *, weights: Path | None = None,
+                   force: bool = False, log=print) -> Bundle:
+    """``k3c attach``: a sealed bundle at ``out`` (default out/<checkpoint>-<target>, replaced
+    without ``force``) of the module compiled with ``--no-weights`` at ``module_dir`` and
+    ``checkpoint`` (any layout model/checkpoint.py reads), without compiling again: the checkpoint
+    packed into the bundle, or ``weights``, an archive ``k3c pack`` made of it, named by path
+    (docs/bundle.md §5). Every mismatch (config, names, shapes, stored dtypes, an archive of another
+    config or checkpoint, or damaged) is a K3Error before anything is written."""
+    t_start = time.perf_counter()
+    module = open_module(module_dir)
+    m = module.manifest
+    ck_dir = checkpoint_dir(checkpoint)
+    if out is None:
+        out, force = Path("out") / f"{ck_dir.name}-{m.target['name'].replace(':', '-')}", True
+    cfg = K3Config.from_hf(ck_dir)
+    if cfg.hash != m.config_hash:
+        key, ours, theirs = first_difference(m.config, cfg.to_dict())
+        raise K3Error(f"attach: {module_dir} was compiled for config {m.config_hash}, checkpoint {ck_dir} has "
+                      f"config {cfg.hash} ({key}: {ours} vs {theirs})")
+    _, ckpt = open_checked(ck_dir)
+    if problem := first_table_difference(m.parameters, checkpoint_table(cfg, ckpt)):
+        raise K3Error(f"attach: {module_dir} was compiled for other parameters: checkpoint {ck_dir} {problem}")
+    archive = None if weights is None else read_archive(weights)
+    out = check_output(out, force=force, inputs=(ck_dir, module.root, weights))
+    manifest = replace(m, checkpoint=str(ck_dir), checkpoint_hash=hash_dir(ck_dir), weights=ARCHIVE, files={})
+    if archive is not None:
+        check_archive_fits(archive, manifest, f"attach: {module_dir}")
+        verify_archive(archive, log)
+    with atomic_dir(out, force=force) as tmp:
+        if archive is None:
+            pack(ck_dir, tmp / ARCHIVE, checkpoint_hash=manifest.checkpoint_hash, log=log)
+        else:
+            manifest.weights, manifest.weights_digest = str(archive.path.resolve()), archive.digest
+        carry_tokenizer(tmp / "tokenizer", ck_dir, cfg.vocab_size, log)
+        _assemble(tmp, module.module_path.read_bytes(), manifest, ck_dir, log)
     log(f"bundle written to {out} in {time.perf_counter() - t_start:.1f}s")
     return open_bundle(out)
 
@@ -185,17 +283,16 @@ def meta_model(cfg: K3Config) -> K3Model:
 
 
 def published_dtypes(cfg: K3Config) -> dict[str, torch.dtype]:
-    """Checkpoint tensor name -> the dtype a checkpoint of ``cfg`` stores it in (model/checkpoint.py
-    ``stored_dtype``), for a module compiled without a checkpoint."""
-    return {k: stored_dtype(k, t) for k, t in to_checkpoint(meta_model(cfg).state_dict()).items()}
+    """Checkpoint tensor name -> the dtype the published layout of ``cfg`` (k3c's, the K3 release's,
+    Kimi Linear's: model/accounting.py ``published_dtype``) stores it in, for a module compiled
+    without a checkpoint."""
+    return {k: published_dtype(cfg, k, t) for k, t in to_checkpoint(meta_model(cfg).state_dict()).items()}
 
 
 def export_mlir(out: Path, cfg: K3Config, target: Target, *, dtypes: dict[str, torch.dtype] | None = None,
                 max_prompt: int, force: bool, log=print) -> None:
     """``out``/torch.mlir (the exported module) and lowered.mlir (after ``target``'s passes, what
     iree-compile gets), from shapes only: the model is built on the meta device."""
-    from ..passes.pipeline import Pipeline
-
     check_output(out, force=force)
     peak0, t0 = _peak_rss(), time.perf_counter()
     module, _ = export_cached(meta_model(cfg), dtypes or published_dtypes(cfg), max_prompt=max_prompt, log=log)
@@ -217,10 +314,11 @@ def build_module_only(out: Path, cfg: K3Config, target: Target, *, max_prompt: i
     dtypes = published_dtypes(cfg)
     compiled = compile_model(meta_model(cfg), dtypes, target, max_prompt=max_prompt, log=log)
     with atomic_dir(out, force=force) as tmp:
-        (tmp / "module.vmfb").write_bytes(compiled.vmfb)
+        (tmp / MODULE).write_bytes(compiled.vmfb)
         manifest = Manifest(config=cfg.to_dict(), config_hash=cfg.hash, checkpoint_hash="", checkpoint="",
                             target=target.to_dict(), entry_points=compiled.entry_points, batch=1,
-                            max_prompt=max_prompt)
+                            max_prompt=max_prompt, parameters=compiled.parameters, weights="",
+                            no_reference="compiled with --no-weights")
         seal(tmp, manifest)
     log(f"module for {cfg.num_hidden_layers} layers written to {out} in {time.perf_counter() - t0:.1f}s, "
         f"peak RSS {_peak_rss() / 2**20:.0f} MiB (this process; iree-compile's own is logged above)")
@@ -228,7 +326,6 @@ def build_module_only(out: Path, cfg: K3Config, target: Target, *, max_prompt: i
 
 
 def _peak_rss() -> int:
-    import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -236,7 +333,6 @@ def carry_tokenizer(dest: Path, checkpoint: Path | None, vocab_size: int, log) -
     """The bundle's tokenizer/ (sealed with every other file): the tokenizer files of ``checkpoint``
     (runtimes/tokenizer.TOKENIZER_FILES), or for a preset (``checkpoint`` None) a byte-level
     tokenizer. Loaded once here, so a corrupt file fails the build before the compile."""
-    from ..runtimes.tokenizer import TOKENIZER_FILES, load_tokenizer, write_byte_level_tokenizer
     if checkpoint is None:
         write_byte_level_tokenizer(dest, vocab_size)
         tokenizer = load_tokenizer(dest, vocab_size)
@@ -253,27 +349,11 @@ def carry_tokenizer(dest: Path, checkpoint: Path | None, vocab_size: int, log) -
         f"{', chat template' if tokenizer.chat_template else ''})")
 
 
-def _seal_bundle(tmp: Path, model: K3Model, ck_dir: Path, ck_ref: str, vmfb: bytes, entry_points: dict,
-                 target: Target, max_prompt: int, log) -> None:
-    """Write the module and the PyTorch reference outputs of ``model`` into ``tmp`` and seal it."""
-    cfg = model.cfg
-    (tmp / "module.vmfb").write_bytes(vmfb)
-    t0 = time.perf_counter()
-    prompt = validation_prompt(cfg, min(PROMPT_LEN, max_prompt))
-    np.savez(tmp / "reference.npz", **reference_outputs(model, prompt, DECODE_STEPS))
-    log(f"computed PyTorch reference outputs in {time.perf_counter() - t0:.1f}s")
-    manifest = Manifest(config=cfg.to_dict(), config_hash=cfg.hash, checkpoint_hash=hash_dir(ck_dir),
-                        checkpoint=ck_ref, target=target.to_dict(), entry_points=entry_points,
-                        batch=1, max_prompt=max_prompt)
-    seal(tmp, manifest)
-
-
 def build_bundle_from_onnx(out: Path, target: Target, onnx_dir: Path, force: bool = True, log=print) -> Bundle:
     """A sealed bundle from an ONNX export directory (exporter/onnx_export.py): its models imported
     (exporter/onnx_import.py) and lowered by the same passes as the torch front end, its checkpoint
-    carried into the bundle, reference.npz from the PyTorch model on that checkpoint."""
-    from ..exporter.onnx_import import import_onnx
-    from ..passes.pipeline import Pipeline
+    carried into the bundle (the module reads its tensors), reference.npz from the PyTorch model on it."""
+    from ..exporter.onnx_import import import_onnx  # deferred heavy optional import (onnx, ~1.3 s): ONNX only
 
     out, onnx_dir = check_output(out, force=force, inputs=(onnx_dir,)), Path(onnx_dir)
     t_start = time.perf_counter()
@@ -284,14 +364,16 @@ def build_bundle_from_onnx(out: Path, target: Target, onnx_dir: Path, force: boo
         raise K3Error(f"compile: checkpoint {ck_src} of {onnx_dir} is missing or changed since the export")
     with atomic_dir(out, force=force) as tmp:
         shutil.copytree(ck_src, tmp / "checkpoint")
-        model = load_checkpoint(tmp / "checkpoint", dtype=torch.float32)
+        cfg = K3Config.from_hf(tmp / "checkpoint")
         Pipeline.for_target(target).run(imported.module, log=log)
-        stamp(imported.module, module_facts(model.cfg.hash, stored_dtypes(tmp / "checkpoint"),
-                                            target.to_dict(), source["max_prompt"]))
+        parameters = module_parameters(imported.module)
+        stamp(imported.module, module_facts(cfg.hash, parameters, target.to_dict(), source["max_prompt"]))
         vmfb = compile_mlir(str(imported.module), target, log=log)
         entry_points = {**source["entry_points"],
                         "front_end": f"onnx {onnx_dir.resolve()} (opsets {source['opset_imports']})"}
-        _seal_bundle(tmp, model, tmp / "checkpoint", "checkpoint", vmfb, entry_points, target,
-                     source["max_prompt"], log)
+        manifest = Manifest(config=cfg.to_dict(), config_hash=cfg.hash, checkpoint_hash=hash_dir(tmp / "checkpoint"),
+                            checkpoint="checkpoint", target=target.to_dict(), entry_points=entry_points, batch=1,
+                            max_prompt=source["max_prompt"], parameters=parameters, weights="")
+        _assemble(tmp, vmfb, manifest, tmp / "checkpoint", log)
     log(f"bundle written to {out} in {time.perf_counter() - t_start:.1f}s")
     return open_bundle(out)

@@ -69,7 +69,15 @@ REFERENCE_ARRAYS = {"prompt_ids": (1, "iu"), "prefill_logits": (2, "f"), "decode
 
 
 def load_reference(bundle: Bundle) -> dict[str, np.ndarray]:
-    """reference.npz's arrays, each present, numeric (never pickled objects) and of its rank."""
+    """reference.npz's arrays, each present, numeric (never pickled objects) and of its rank; for a
+    bundle built without them (the model did not fit in memory), computed now where it fits."""
+    if bundle.manifest.no_reference:
+        from .build import checkpoint_reference
+        ref = checkpoint_reference(bundle.checkpoint_dir, bundle.manifest.max_prompt)
+        if isinstance(ref, str):
+            raise K3Error(f"validate: {bundle.root} has no reference outputs and none can be computed here: {ref}; "
+                          "validate it layer by layer (k3c validate --layers)")
+        return ref
     path = bundle.reference_path
     try:
         with np.load(path, allow_pickle=False) as npz:
@@ -107,6 +115,7 @@ def validate(bundle: Bundle, per_layer: bool = False) -> tuple[list[StepResult],
 
 def layer_errors(bundle: Bundle, prompt: np.ndarray, hidden: np.ndarray) -> list[LayerResult]:
     """The residual stream after each layer, compiled vs the PyTorch model on the bundle's checkpoint."""
+    # deferred heavy imports (torch, ~2 s): only --per-layer runs the PyTorch model here
     import torch
 
     from ..model.checkpoint import load_checkpoint
@@ -134,7 +143,7 @@ def as_dicts(results) -> list[dict]:
 def validate_targets(preset: str, work: Path, log=print) -> list[TargetStatus]:
     """``k3c targets --validate``: build a ``preset`` bundle under ``work`` for every known target
     that runs here and validate it; the others keep their probe results."""
-    from .build import build_bundle
+    from .build import build_bundle  # deferred heavy import (torch, the exporter): only --validate builds
 
     rows = target_statuses()
     for row in rows:

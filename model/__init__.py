@@ -1,4 +1,5 @@
-"""The K3 reference model in PyTorch: config, modules, custom ops, checkpoints, MXFP4 (docs/model.md §0-6)."""
+"""The K3 reference model in PyTorch: config, modules, checkpoints (docs/model.md §0-6); the custom ops
+and the MXFP4 format it uses are ops/."""
 from .config import ConfigError, K3Config, PRESETS
 from .model import K3Model, K3State
 

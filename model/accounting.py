@@ -14,7 +14,6 @@ layout of the config (docs/model.md §8; ``published_dtype``).
 """
 from __future__ import annotations
 
-import dataclasses
 import io
 import re
 from collections import Counter
@@ -28,26 +27,12 @@ from rich.table import Table
 from ..errors import K3Error
 from .checkpoint import FP32_SUFFIXES, TORCH_DTYPES, open_checkpoint
 from .config import K3Config
-from .model import DecoderLayer, K3Model
+from .shapes import component, layer_kinds, model_tensors, named_tensors
 
 CACHE_BYTES = 2  # the MLA latent cache is kept in 16-bit (docs/model.md §6)
-LAYER_COMPONENTS = (  # (component, tensor name prefix inside a decoder layer); self_attn goes by kind
-    ("routed_experts", "block_sparse_moe.experts."),
-    ("shared_experts", "block_sparse_moe.shared_experts."),
-    ("router", "block_sparse_moe.gate."),
-    ("latent_projections", "block_sparse_moe.routed_expert_"),
-    ("dense_mlp", "mlp."),
-)
-TOP_COMPONENTS = (("embedding", "model.embed_tokens."), ("lm_head", "lm_head."))
-PER_EXPERT = ("block_sparse_moe.experts.", "block_sparse_moe.gate.")  # built for one expert, counted E times
 # float tensors a published layout stores in fp32 (docs/model.md §8); everything else float is bf16
 PUBLISHED_FP32 = {"k3c": FP32_SUFFIXES, "k3_release": FP32_SUFFIXES, "kimi_linear": (".A_log", ".dt_bias")}
 LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)")
-
-
-def named_tensors(module: torch.nn.Module):
-    yield from module.named_parameters()
-    yield from module.named_buffers()
 
 
 def weights(name: str, numel: int) -> int:
@@ -70,70 +55,6 @@ def stored_numel(cfg: K3Config, name: str, t: torch.Tensor) -> int:
     if cfg.layout == "kimi_linear" and name.endswith("A_log"):
         return cfg.kda_heads
     return t.numel()
-
-
-def component(name: str, kind: str | None) -> str:
-    """Which part of the model a tensor belongs to; ``kind`` (the layer's attention) is None
-    outside model.layers."""
-    if kind is not None and name.startswith("self_attn."):
-        return kind
-    for comp, prefix in LAYER_COMPONENTS if kind is not None else TOP_COMPONENTS:
-        if name.startswith(prefix):
-            return comp
-    return "norms_attnres"
-
-
-def layer_kinds(cfg: K3Config) -> list[tuple[DecoderLayer, int]]:
-    """One DecoderLayer per distinct (attention kind, MoE or dense), built with one routed expert,
-    and the number of such layers."""
-    first, count = {}, Counter()
-    for i, kind in enumerate(cfg.layer_kinds):
-        key = (kind, cfg.is_moe(i))
-        first.setdefault(key, i)
-        count[key] += 1
-    one_expert = dataclasses.replace(cfg, num_experts=1, num_experts_per_token=1)
-    return [(DecoderLayer(one_expert, i), count[key]) for key, i in first.items()]
-
-
-def outer_tensors(cfg: K3Config) -> list[tuple[str, torch.Tensor]]:
-    """The tensors outside model.layers (embedding, final norm, output AttnRes, lm_head), read off
-    a one-layer K3Model of the same widths."""
-    one_layer = dataclasses.replace(cfg, num_hidden_layers=1, first_k_dense_replace=1,
-                                    linear_attn_config={**cfg.kda, "full_attn_layers": [1], "kda_layers": []})
-    return [(n, t) for n, t in named_tensors(K3Model(one_layer)) if not n.startswith("model.layers.")]
-
-
-def model_tensors(cfg: K3Config):
-    """(component, K3Model tensor name (in its layer), meta tensor, how many of it the model holds)."""
-    with torch.device("meta"):
-        layers = layer_kinds(cfg)
-        for name, t in outer_tensors(cfg):
-            yield component(name, None), name, t, 1
-        for layer, n in layers:
-            for name, t in named_tensors(layer):
-                yield component(name, layer.kind), name, t, n * (cfg.num_experts if name.startswith(PER_EXPERT) else 1)
-
-
-def require_memory(cfg: K3Config, dtype: torch.dtype, what: str) -> None:
-    """Refuse up front, in one line, to build a model whose float tensors at ``dtype`` (MXFP4 experts
-    as stored) would not fit in the memory this machine has available."""
-    need = sum(n * t.numel() * (1 if t.dtype == torch.uint8 else dtype.itemsize) for _, _, t, n in model_tensors(cfg))
-    have = available_memory()
-    if need > have:
-        raise K3Error(f"{what}: the model needs {decimal(need)} in {str(dtype).removeprefix('torch.')}, "
-                      f"more than the {decimal(have)} of memory available here")
-
-
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else physical memory."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def stored_counts(cfg: K3Config, checkpoint: Path | None) -> tuple[Counter, Counter]:

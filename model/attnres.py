@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .norms import rms_norm, upcast
+from ..ops.numerics import upcast
+from .norms import rms_norm
 
 EPS = 1e-5
 

@@ -45,10 +45,11 @@ from rich.progress import track
 from safetensors import SafetensorError, safe_open
 
 from ..errors import K3Error
-from . import mxfp4
+from ..ops import mxfp4
 from .config import K3Config
 from .kimi_linear import k3_parts
 from .model import K3Model
+from .shapes import require_memory
 from .stacking import from_checkpoint, to_checkpoint
 
 SINGLE_FILE = "model.safetensors"
@@ -153,12 +154,6 @@ class Checkpoint:
     listing: Path                 # the index, or the single file: what names the tensors
     stored: dict[Path, dict[str, tuple[str, tuple[int, ...]]]]
     entries: dict[str, Entry]
-
-    @property
-    def in_model_layout(self) -> bool:
-        """Whether every tensor is stored under its K3Model name and shape, as the compiled module's
-        parameters are read (else a bundle needs the checkpoint converted: convert.save_checkpoint)."""
-        return all(name == e.key and e.part is None for name, e in self.entries.items())
 
 
 def checkpoint_dir(path: str | Path) -> Path:
@@ -370,7 +365,6 @@ def check_scales(ckpt: Checkpoint) -> None:
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32) -> K3Model:
     """Read a checkpoint into a K3Model: float tensors cast to ``dtype`` (the spec's f32 tensors stay
     f32), MXFP4 tensors as stored. Built on the meta device and filled tensor by tensor."""
-    from .accounting import require_memory  # accounting reads this module's stored layouts
     require_memory(K3Config.from_hf(checkpoint_dir(directory)), dtype, "load the checkpoint")
     model, ckpt = open_checked(directory)
     loaded = {}

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from ..utils.files import atomic_dir
 from ..errors import K3Error
-from . import mxfp4
+from ..ops import mxfp4
 from .checkpoint import (CONFIG_FILE, DTYPE_NAMES, FLOAT_DTYPES, INDEX_FILE, SINGLE_FILE, TORCH_DTYPES,
                          check_scales, open_checked, progress, read_header, stored_dtype)
 from .config import K3Config

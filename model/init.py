@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import mxfp4
+from ..ops import mxfp4
 from .checkpoint import progress
 from .model import K3Model
 

@@ -1,22 +1,21 @@
 """Kimi Delta Attention (docs/model.md §1): the gated delta rule with a per-channel decay.
 
-Read top to bottom, this file is docs/model.md §1: the gates, the short convolution, the L2 norm, the
-recurrence (token by token, the definition), the chunkwise form (what prefill runs), the gated
-output norm, and the layer that strings them together. Shapes: q, k [B, T, H, K]; v [B, T, H, V];
+Read top to bottom, this file is docs/model.md §1: the gates, the short convolution, the L2 norm,
+then the recurrence (token by token, the definition) and its chunkwise form (what prefill runs),
+which are the custom ops of ops/kda.py, and the layer that strings them together with the gated
+output norm. Shapes: q, k [B, T, H, K]; v [B, T, H, V];
 g [B, T, H, K] (log-decay, fp32); beta [B, T, H]; state S [B, H, K, V] fp32.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.kda import kda_chunk, kda_step
+from ..ops.numerics import upcast
 from .config import K3Config
-from .norms import RMSNorm, upcast
-
-CHUNK = 64
+from .norms import RMSNorm
 
 
 # ---- step 4: the log-decay gates ----------------------------------------------------------
@@ -53,75 +52,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-# ---- step 8: the recurrence, token by token (decode, and the definition) --------------------
-def kda_recurrent(q, k, v, g, beta, S):
-    """S <- Diag(exp g_t) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T q_t.
-
-    q is already L2-normalised and scaled; k is L2-normalised. Returns (o [B, T, H, V], S)."""
-    q, k, v, g, beta = (upcast(t) for t in (q, k, v, g, beta))
-    S = upcast(S)
-    outs = []
-    for t in range(q.shape[1]):
-        S = S * g[:, t].exp().unsqueeze(-1)
-        pred = torch.einsum("bhk,bhkv->bhv", k[:, t], S)
-        S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k[:, t], v[:, t] - pred)
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
-    return torch.stack(outs, dim=1), S
-
-
-# ---- the chunkwise form (prefill) ------------------------------------------------------------
-def unit_lower_inverse(M: torch.Tensor) -> torch.Tensor:
-    """(I + M)^-1 for strictly lower-triangular M [..., C, C], exact after log2(C) doublings:
-    (I - M)(I + M^2)(I + M^4)...(I + M^(C/2)), since M^C = 0."""
-    C = M.shape[-1]
-    eye = torch.eye(C, dtype=M.dtype, device=M.device)
-    P, Mp = eye - M, M
-    for _ in range(max(0, math.ceil(math.log2(C)) - 1)):
-        Mp = Mp @ Mp
-        P = P @ (eye + Mp)
-    return P
-
-
-def kda_chunk_step(q, k, v, g, beta, S):
-    """One chunk of n tokens entering with state S; tensors laid out [B, H, n, .].
-
-    G = inclusive cumsum of g;  M_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd) (j < i);
-    T = (I + M)^-1 diag(beta);  W = T (k * exp G);  U = T v;  A_ij = sum_d q_id k_jd exp(G_id - G_jd) (j <= i);
-    V' = U - W S;  O = (q * exp G) S + A V';  S <- exp(G_n) S + (k * exp(G_n - G))^T V'.
-    exp(G_i - G_j) is taken only where j <= i, so every exponent is <= 0 (no overflow)."""
-    n = q.shape[-2]
-    G = g.cumsum(-2)
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[..., None], -torch.inf)
-    decay = diff.exp()                                                 # [B, H, n, n, K]
-    kk = torch.einsum("bhid,bhjd,bhijd->bhij", k, k, decay)
-    M = (beta.unsqueeze(-1) * kk).tril(-1)
-    T = unit_lower_inverse(M) * beta.unsqueeze(-2)
-    W = T @ (k * G.exp())
-    U = T @ v
-    A = torch.einsum("bhid,bhjd,bhijd->bhij", q, k, decay)           # lower incl. diagonal
-    V_new = U - W @ S
-    O = (q * G.exp()) @ S + A @ V_new
-    G_n = G[..., -1:, :]
-    S = G_n.transpose(-1, -2).exp() * S + (k * (G_n - G).exp()).transpose(-1, -2) @ V_new
-    return O, S
-
-
-def kda_chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
-    """Chunkwise prefill over any T: pad to a multiple of the chunk with tokens that change nothing
-    (g = 0, beta = 0, k = v = 0), run the chunks in order carrying S. Returns (o [B, T, H, V], S)."""
-    B, T, H, K = q.shape
-    pad = (-T) % chunk
-    to_bhtd = lambda x: F.pad(upcast(x), (0, 0, 0, 0, 0, pad)).transpose(1, 2)  # noqa: E731
-    q, k, v, g = (to_bhtd(x) for x in (q, k, v, g))
-    beta = F.pad(upcast(beta), (0, 0, 0, pad)).transpose(1, 2)
-    S = upcast(S)
-    outs = []
-    for c in range(0, T + pad, chunk):
-        sl = slice(c, c + chunk)
-        o, S = kda_chunk_step(q[..., sl, :], k[..., sl, :], v[..., sl, :], g[..., sl, :], beta[..., sl], S)
-        outs.append(o)
-    return torch.cat(outs, dim=-2)[..., :T, :].transpose(1, 2), S
+# ---- step 8: the recurrence (decode) and its chunkwise form (prefill) ------------------------
+# are the KDA core, the k3::kda_step and k3::kda_chunk ops: ops/kda.py (kda_recurrent, kda_chunked)
 
 
 # ---- the layer -------------------------------------------------------------------------------
@@ -171,8 +103,7 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(upcast(self.b_proj(x)))
         q = l2norm(q) * K ** -0.5
         k = l2norm(k)
-        op = torch.ops.k3.kda_step if decode else torch.ops.k3.kda_chunk
-        o, S = op(q, k, upcast(v), g, beta, S)
+        o, S = (kda_step if decode else kda_chunk)(q, k, upcast(v), g, beta, S)
         gate = torch.sigmoid(upcast(self.output_gate(x).view(B, T, H, K)))
         y = (self.o_norm(o) * gate).to(x.dtype).reshape(B, T, H * K)
         return self.o_proj(y), (cq, ck, cv), S

@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.causal_attention import causal_attention
+from ..ops.numerics import upcast
 from .config import K3Config
-from .norms import RMSNorm, upcast
+from .norms import RMSNorm
 
 LORA_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm
 
@@ -79,7 +81,7 @@ class GatedMLA(nn.Module):
         key = torch.cat((k_nope, k_pe.unsqueeze(2).expand(B, L, H, self.rope)), dim=-1)
         query = torch.cat((q_nope, q_pe), dim=-1)
         if first:
-            return torch.ops.k3.causal_attention(upcast(query), upcast(key), upcast(v), self.scale)
+            return causal_attention(upcast(query), upcast(key), upcast(v), self.scale)
         # query t sits at absolute position L - T + t and sees keys up to it
         mask = torch.ones(T, L, dtype=torch.bool, device=cache.device).tril(L - T)
         o = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), v.transpose(1, 2),

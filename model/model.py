@@ -13,7 +13,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import ops  # noqa: F401  (registers torch.ops.k3.*)
 from .attnres import attn_res
 from .config import K3Config
 from .kda import KimiDeltaAttention

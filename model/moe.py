@@ -1,4 +1,5 @@
-"""SiTU-GLU, the dense MLP, the sigmoid router and Stable LatentMoE (docs/model.md §4).
+"""The dense MLP, the sigmoid router and Stable LatentMoE (docs/model.md §4); the SiTU-GLU activation is
+ops/numerics.py's, the MXFP4 routed experts the k3::mxfp4_moe op (ops/mxfp4_moe.py).
 
 K3: z = down(x) into the latent; y = RMSNorm(sum_i w_i e_i(z)); out = up(y) + shared(x).
 Kimi Linear (no latent): out = sum_i w_i e_i(x) + shared(x), SiLU-GLU experts.
@@ -9,25 +10,12 @@ expert (``experts.{e}.w1``), mapped by model/stacking.py.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..ops.mxfp4_moe import mxfp4_moe
+from ..ops.numerics import glu_act, upcast
 from .config import K3Config
-from .norms import RMSNorm, upcast
-
-
-def situ(g: torch.Tensor, u: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
-    """SiTU(g, u) = [b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)]; |SiTU| <= b1*b2; -> SwiGLU as b -> inf."""
-    g, u = upcast(g), upcast(u)
-    return (beta1 * torch.tanh(g / beta1) * torch.sigmoid(g)) * (beta2 * torch.tanh(u / beta2))
-
-
-def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return F.silu(upcast(g)) * upcast(u)
-
-
-def glu_act(act: str, beta1: float, beta2: float, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return situ(g, u, beta1, beta2) if act == "situ" else swiglu(g, u)
+from .norms import RMSNorm
 
 
 def glu(cfg: K3Config, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -130,8 +118,8 @@ class MoE(nn.Module):
         cfg, ex = self.cfg, self.experts
         if cfg.experts_mxfp4:
             p = [t for n in ("w1", "w3", "w2") for t in (getattr(ex, n).weight_packed, getattr(ex, n).weight_scale)]
-            return torch.ops.k3.mxfp4_moe(upcast(z), idx, w, *p, cfg.hidden_act,
-                                          cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+            return mxfp4_moe(upcast(z), idx, w, *p, cfg.hidden_act,
+                             cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
         return dense_expert_mix(cfg, z, idx, w, ex.w1.weight, ex.w3.weight, ex.w2.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,10 @@
-"""RMSNorm, computed in fp32 (docs/model.md §1 step 9, §2, §3, §4), and the upcast every fp32 step uses."""
+"""RMSNorm, computed in fp32 (docs/model.md §1 step 9, §2, §3, §4); the fp32 upcast is ops/numerics.py's."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """x in fp32 for the steps the spec computes in fp32; a float64 x stays float64, so the whole
-    model can run in double precision as a reference for its own fp32 rounding."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+from ..ops.numerics import upcast
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -108,3 +108,43 @@ def program_dtypes(cfg: K3Config, stored: dict[str, torch.dtype]) -> dict[str, t
         if out.setdefault(program, dtype) != dtype:
             raise ValueError(f"tensor '{name}' is stored as {dtype}, other layers of {program} as {out[program]}")
     return out
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """Layers ``start .. start + period * count - 1`` whose groups repeat every ``period`` layers: the
+    compiled program runs one body of ``period`` layers ``count`` times in a loop (docs/pipeline.md §5).
+    A layer outside any repetition is a run of period 1 and count 1."""
+    start: int
+    period: int
+    count: int
+
+    def layers(self, k: int) -> range:
+        """The model layers of iteration ``k``."""
+        first = self.start + k * self.period
+        return range(first, first + self.period)
+
+
+MAX_PERIOD = 8
+
+
+def layer_runs(cfg: K3Config) -> list[LayerRun]:
+    """The layers as runs, in order: the one repetition that leaves the fewest layers to write out
+    (layers in the loop body plus layers outside it), the layers before and after it one by one.
+    K3 (93 layers): layer 0 (dense), 22 x [KDA, KDA, MLA, KDA], then layers 89-92."""
+    n = cfg.num_hidden_layers
+    names = [group_name(cfg, i) for i in range(n)]
+    best = None                                           # (layers written out, run)
+    for start in range(n):
+        for period in range(1, MAX_PERIOD + 1):
+            count = 1
+            while (start + (count + 1) * period <= n
+                   and names[start + count * period:start + (count + 1) * period] == names[start:start + period]):
+                count += 1
+            if count >= 2 and (best is None or n - (count - 1) * period < best[0]):
+                best = (n - (count - 1) * period, LayerRun(start, period, count))
+    if best is None:
+        return [LayerRun(i, 1, 1) for i in range(n)]
+    run = best[1]
+    stop = run.start + run.period * run.count
+    return [LayerRun(i, 1, 1) for i in range(run.start)] + [run] + [LayerRun(i, 1, 1) for i in range(stop, n)]

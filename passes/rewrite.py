@@ -4,8 +4,9 @@
     %a' = torch_c.to_builtin_tensor %a;  %r' = func.call @k3_op_<hash>(%a', ...);
     %r = torch_c.from_builtin_tensor %r'
 
-One implementation per (op, operand types, constant arguments), defined as a private function
-in the same module; iree-compile inlines and fuses it like any other code.
+One implementation per (op, operand types, constant arguments), from the op's lowering (ops/),
+defined as a private function in the same module; iree-compile inlines and fuses it like any other
+code.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from iree.compiler import ir
 from iree.compiler.dialects import func as func_d
 
 from ..exporter.operators import custom_ops
-from .trace import TensorType
+from ..ops.base import Generator, TensorType
+from ..ops.mlir import merge_functions
 
 
 def _constant(value: ir.Value):
@@ -36,18 +38,11 @@ def _constant(value: ir.Value):
     raise ValueError(f"custom op operand from {op.name} is not a constant")
 
 
-def merge_functions(module: ir.Module, text: str) -> None:
-    """Parse ``text`` in the module's context and move its function definitions in, private."""
-    source = ir.Module.parse(text, context=module.context)
-    for f in list(source.body.operations):
-        if len(f.regions[0].blocks) == 0:  # a declaration of a function defined in another text
-            continue
-        f.attributes["sym_visibility"] = ir.StringAttr.get("private")
-        f.detach_from_parent()
-        module.body.append(f)
+def _is_tensor(value: ir.Value) -> bool:
+    return str(value.type).startswith("!torch.vtensor")
 
 
-def lower_custom_op(module: ir.Module, op_name: str, generator) -> int:
+def lower_custom_op(module: ir.Module, op_name: str, generator: Generator) -> int:
     """Rewrite every ``op_name`` operator in ``module`` with implementations from ``generator``
     (sym, operand types, constants) -> MLIR texts. Returns how many operators were replaced."""
     impls: dict[tuple, str] = {}
@@ -56,24 +51,20 @@ def lower_custom_op(module: ir.Module, op_name: str, generator) -> int:
         for name, op in custom_ops(module):
             if name != op_name:
                 continue
-            tensors, types, consts = [], [], []
-            for v in op.operands:
-                if str(v.type).startswith("!torch.vtensor"):
-                    tensors.append(v)
-                    types.append(TensorType.from_vtensor(str(v.type)))
-                else:
-                    consts.append(_constant(v))
-            out_types = [TensorType.from_vtensor(str(r.type)) for r in op.results]
+            tensors = [v for v in op.operands if _is_tensor(v)]
+            consts = [_constant(v) for v in op.operands if not _is_tensor(v)]
+            types = TensorType.of([v.type for v in tensors])
+            out_types = [t.builtin for t in TensorType.of([r.type for r in op.results])]
             key = (name, tuple(map(str, types)), tuple(consts))
             if key not in impls:
                 sym = name.removeprefix("torch.").replace(".", "_") + "_" + hashlib.sha1(repr(key).encode()).hexdigest()[:10]
                 for text in generator(sym, types, consts):
-                    merge_functions(module, text)
+                    merge_functions(module, text, f"{name} ({sym})")
                 impls[key] = sym
             with ir.InsertionPoint(op), op.location:
-                args = [ir.Operation.create("torch_c.to_builtin_tensor", results=[ir.Type.parse(str(t))],
-                                            operands=[v]).result for v, t in zip(tensors, types)]
-                call = func_d.CallOp([ir.Type.parse(str(t)) for t in out_types], ir.FlatSymbolRefAttr.get(impls[key]), args)
+                args = [ir.Operation.create("torch_c.to_builtin_tensor", results=[t.builtin], operands=[v]).result
+                        for v, t in zip(tensors, types)]
+                call = func_d.CallOp(out_types, ir.FlatSymbolRefAttr.get(impls[key]), args)
                 for old, new in zip(op.results, call.results):
                     back = ir.Operation.create("torch_c.from_builtin_tensor", results=[old.type], operands=[new])
                     old.replace_all_uses_with(back.result)

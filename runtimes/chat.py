@@ -12,11 +12,15 @@ import json
 from datetime import datetime
 from functools import lru_cache
 
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from ..errors import K3Error
+from .tokenizer import TextStream
 
 
 def _raise(message):
-    import jinja2
     raise jinja2.exceptions.TemplateError(message)
 
 
@@ -26,8 +30,6 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 
 @lru_cache(maxsize=4)
 def _compile(template: str):
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
@@ -38,7 +40,6 @@ def render_chat(template: str | None, messages: list[dict], special_tokens: dict
                 add_generation_prompt: bool = True) -> str:
     """The prompt text of ``messages`` ([{"role": ..., "content": ...}]); K3Error if the checkpoint
     has no template or it fails to compile or render (its own raise_exception included)."""
-    import jinja2
     if not template:
         raise K3Error("chat: this bundle's tokenizer has no chat template (chat_template.jinja or the "
                       "chat_template field of tokenizer_config.json)")
@@ -63,7 +64,6 @@ def generate_text(session, tokenizer, prompt_ids: list[int], *, max_new_tokens: 
                   stops: tuple[str, ...] = (), write=lambda text: None, continue_sequence: bool = False):
     """Generate from ``prompt_ids`` (Session.generate), stopping at the tokenizer's EOS ids and at
     ``stops``; ``write`` gets the text as it is produced. Returns (text, Generation)."""
-    from .tokenizer import TextStream
     stream = TextStream(tokenizer, stops)
 
     def on_token(token: int) -> bool:

@@ -10,11 +10,14 @@ import re
 import time
 from dataclasses import dataclass, field
 
+import iree.runtime as rt
 import numpy as np
 
 from ..artifacts.bundle import Bundle
-from ..errors import K3Error
+from ..compiler.devices import check_device
 from ..compiler.targets import Target
+from ..errors import K3Error
+from .readback import DeviceFunction, load, read_back
 
 
 @dataclass
@@ -48,17 +51,11 @@ def iree_error_line(e: Exception, limit: int = 300) -> str:
 
 class Session:
     def __init__(self, bundle: Bundle):
-        import iree.runtime as rt
-
-        from ..compiler.devices import check_device
-        from .readback import read_back
-
         m = bundle.manifest
         self.bundle, self.vocab = bundle, m.config["vocab_size"]
         self.max_context = m.config["max_position_embeddings"]
         self.target = m.target
         check_device(Target(**{**m.target, "flags": tuple(m.target["flags"])}))
-        self._read_back = read_back
         try:
             self.config = rt.Config(m.target["driver"])
         except (RuntimeError, ValueError) as e:
@@ -69,15 +66,18 @@ class Session:
         params = rt.create_io_parameters_module(self.config.vm_instance, index.create_provider(scope="model"))
         module = rt.VmModule.copy_buffer(self.config.vm_instance, bundle.module_path.read_bytes())
         try:
-            _, self.program = rt.load_vm_modules(params, module, config=self.config)
+            context = load(self.config, params, module)
         except RuntimeError as e:
             raise K3Error(f"run: the module in {bundle.root} does not load with its parameters: "
                           f"{iree_error_line(e)}") from None
+        self.device = self.config.device
+        self.call = {name: DeviceFunction(context, module.name, name) for name in ("prefill", "extend", "decode")
+                     if name in m.entry_points}
         self.state: tuple | None = None
         self.position = 0
 
-    def host(self, array) -> np.ndarray:
-        return self._read_back(array)
+    def host(self, view: rt.HalBufferView) -> np.ndarray:
+        return read_back(self.device, view)
 
     def check_ids(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -99,7 +99,7 @@ class Session:
         self.state, self.position = None, 0
         self._check_room(ids.size)
         first = ids[:self.bundle.manifest.max_prompt]
-        logits, hidden, *self.state = self.program.prefill(first[None])
+        logits, hidden, *self.state = self.call["prefill"](first[None])
         self.position = first.size
         if first.size == ids.size:
             logits = self.host(logits)[0]
@@ -124,7 +124,7 @@ class Session:
         pieces = np.array_split(ids, -(-ids.size // self.bundle.manifest.max_prompt))
         out = []
         for i, piece in enumerate(pieces):
-            logits, *self.state = self.program.extend(piece[None], *self.state)
+            logits, *self.state = self.call["extend"](piece[None], *self.state)
             self.position += piece.size
             if not last_only or i == len(pieces) - 1:
                 out.append(self.host(logits)[0])
@@ -144,7 +144,7 @@ class Session:
         if self.position >= self.max_context:
             raise K3Error(f"run: the context is full: it holds {self.max_context} tokens (prompt and generated)")
         ids = self.check_ids([token])
-        logits, *self.state = self.program.decode(ids[None], *self.state)
+        logits, *self.state = self.call["decode"](ids[None], *self.state)
         self.position += 1
         return self.host(logits)[0, -1]
 

@@ -24,6 +24,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tiktoken
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
 from ..errors import K3Error
 
 # Files a checkpoint's tokenizer may consist of; a bundle carries those present (tokenizer/).
@@ -133,7 +136,6 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
 
 
 def _tiktoken(path: Path, config: dict, vocab_size: int):
-    import tiktoken
     ranks = _read_ranks(path)
     if sorted(ranks.values()) != list(range(len(ranks))) or len(ranks) > vocab_size:
         raise K3Error(f"tokenizer: the ranks in {path} are not 0..{len(ranks) - 1} within vocab_size {vocab_size}")
@@ -166,7 +168,6 @@ def load_tokenizer(directory: Path, vocab_size: int, model_config: Path | None =
         tok = TiktokenTokenizer(**common, encoding=_tiktoken(directory / "tiktoken.model", config, vocab_size))
         token_id = lambda text: _single_token(tok.encoding, text)  # noqa: E731
     elif (directory / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer as HFTokenizer
         try:
             hf = HFTokenizer.from_file(str(directory / "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception on a bad file
@@ -196,7 +197,6 @@ def write_byte_level_tokenizer(directory: Path, vocab_size: int) -> None:
     """tokenizer.json + tokenizer_config.json of a byte-level tokenizer for a random-weight preset:
     ids 0-255 the bytes, 256 ``<|bos|>``, 257 ``<|eos|>`` (the EOS); no merges; a plain chat
     template (``role: content<|eos|>`` per message)."""
-    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
     if vocab_size < 256 + len(BYTE_SPECIALS):
         raise K3Error(f"tokenizer: vocab_size {vocab_size} is too small for a byte-level tokenizer")
     hf = HFTokenizer(models.BPE(vocab={c: b for b, c in enumerate(_byte_chars())}, merges=[]))

@@ -185,7 +185,7 @@ def test_gpt_oss_layout_reads_as_the_k3_layout_and_back(ckpt, tmp_path):
                                          dtype=torch.float32)
     down = convert_moe_packed_tensors(stacked[f"{p}.down_proj_blocks"], stacked[f"{p}.down_proj_scales"],
                                       dtype=torch.float32)
-    from k3c.model.mxfp4 import dequantize
+    from k3c.ops.mxfp4 import dequantize
     experts = model.model.layers[layer].block_sparse_moe.experts
     for e in range(cfg.num_experts):
         w1, w3, w2 = (dequantize(w.weight_packed[e], w.weight_scale[e]) for w in (experts.w1, experts.w3, experts.w2))

@@ -9,8 +9,8 @@ import torch
 from torch.export import Dim, export
 
 import k3c.model  # noqa: F401  (registers torch.ops.k3.*)
-from k3c.model import mxfp4
-from k3c.model.moe import glu_act
+from k3c.ops import mxfp4
+from k3c.ops.numerics import glu_act
 
 H, K, V = 2, 16, 24            # V != K so a transposed state cannot pass
 E, I, L, TOP_K = 8, 32, 64, 2  # experts, expert hidden, latent width, experts per token

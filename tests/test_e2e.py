@@ -94,11 +94,12 @@ def test_weights_are_named_parameters(tiny_bundle):
     in the module (no weight became a constant)."""
     import iree.runtime as rt
 
+    from k3c.artifacts.pack import META
     from k3c.model.stacking import program_dtypes
     vmfb = tiny_bundle.module_path.read_bytes()
     index = rt.ParameterIndex()
     index.load(str(tiny_bundle.root / "weights.irpa"))
-    keys = {key for key, _ in index.items()}
+    keys = {key for key, _ in index.items()} - {META}     # the archive's own description (docs/bundle.md §5)
     with safe_open(str(tiny_bundle.checkpoint_dir / "model.safetensors"), "pt") as f:
         stored = {name: f.get_slice(name).get_dtype() for name in f.keys()}
         cfg = K3Config.from_hf(tiny_bundle.checkpoint_dir)
@@ -143,10 +144,12 @@ def module_outline(text: str) -> tuple[dict[str, list], list[tuple[str, str, boo
 
 def test_emit_mlir_custom_ops_then_their_implementations(k3c_cache, tmp_path):
     """torch.mlir holds the k3 operators; lowered.mlir holds none, but calls to their implementations.
-    Each layer group's body is written once per form (prefill, extend, decode) and every layer calls
-    it (exporter/layers.py). The KDA chunk implementation takes any T and calls the 64-token chunk
-    function once, inside an scf.for: prefill up to 128 tokens (two chunks) is a run-time loop."""
-    from k3c.model.stacking import layer_groups
+    Each layer group's body is written once per form (prefill, extend, decode); the layers outside a
+    repeating run call it one by one, the run (model/stacking.py ``layer_runs``) is one marked scf.for
+    per entry point whose iterations call the bodies inlined (passes/layer_calls.py). The KDA chunk
+    implementation takes any T and calls the 64-token chunk function once, inside an scf.for: prefill
+    up to 128 tokens (two chunks) is a run-time loop."""
+    from k3c.model.stacking import layer_groups, layer_runs
     cfg = K3Config.preset("k3-tiny")
     groups = layer_groups(cfg).values()
     n_kda = sum(g.attention == "kda" for g in groups)
@@ -161,8 +164,13 @@ def test_emit_mlir_custom_ops_then_their_implementations(k3c_cache, tmp_path):
 
     inputs, calls = module_outline(after)
     called = lambda caller, prefix: [c for f, c, _ in calls if f == caller and c.startswith(prefix)]  # noqa: E731
-    for entry in ("prefill", "extend", "decode"):  # one body call per layer
-        assert len(called(entry, "call_body_")) == cfg.num_hidden_layers, entry
+    runs = layer_runs(cfg)
+    single, looped = [r for r in runs if r.count == 1], [r for r in runs if r.count > 1]
+    assert len(single) == 2 and [(r.period, r.count) for r in looped] == [(2, 2)]  # k3-tiny: 0, 1, 2 x [2-3]
+    for entry in ("prefill", "extend", "decode"):  # one body call per layer outside the run, none in a loop
+        assert len(called(entry, "call_body_")) == len(single), entry
+        assert not [c for f, c, loop in calls if f == entry and loop], entry
+    assert after.count("k3c.layer_loop") == 3 * len(looped)  # one marked loop per entry point
     assert len(called("call_body_kda_moe_prefill", "body_kda_moe_prefill")) == 1
     assert len(called("body_kda_moe_prefill", "k3_kda_chunk_")) == 1
     assert len(called("body_kda_moe_decode", "k3_kda_step_")) == 1

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3c.model.kda import kda_chunked, kda_recurrent, lowerbound_gate, short_conv, softplus_gate
+from k3c.model.kda import lowerbound_gate, short_conv, softplus_gate
+from k3c.ops.kda import kda_chunked, kda_recurrent
 
 H, K, V = 3, 16, 24  # V != K so a transposed state cannot pass
 LOWER_BOUND = -5.0

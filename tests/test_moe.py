@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from k3c.model import K3Config
-from k3c.model.moe import route, situ
+from k3c.model.moe import route
+from k3c.ops.numerics import situ
 
 BETA1, BETA2 = 4.0, 25.0  # activation_situ_beta, activation_situ_linear_beta
 

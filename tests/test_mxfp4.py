@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3c.model import ops  # noqa: F401  (registers torch.ops.k3.*)
-from k3c.model.mxfp4 import dequantize, pack_nibbles, quantize, unpack_nibbles
+import k3c.ops  # noqa: F401  (registers torch.ops.k3.*)
+from k3c.ops.mxfp4 import dequantize, pack_nibbles, quantize, unpack_nibbles
 
 SPEC_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 

@@ -1,5 +1,5 @@
 """``torch.k3.causal_attention`` (the MLA prefill attention) compiled as the model is, a loop over
-128-row query blocks (passes/causal_attention.py), against causal softmax attention written out in
+128-row query blocks (ops/causal_attention.py), against causal softmax attention written out in
 float64; and its module compiled for the GPU targets."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The MXFP4 expert lowering that streams the packed weights (passes/mxfp4_gemv.py) against
+"""The MXFP4 expert lowering that streams the packed weights (ops/mxfp4_gemv.py) against
 ml_dtypes: one matvec bit for bit on every E2M1 code and the E8M0 edges, and the whole
 ``torch.k3.mxfp4_moe`` op, decode and prefill, compiled as the model is for each CPU target,
 against ml_dtypes dequantisation and a float64 matmul."""
@@ -52,7 +52,7 @@ def test_matvec_is_exact_on_every_code_and_scale_edge(target, decode):
     inf), a NaN scale making its whole row NaN. IREE's CPU workers flush subnormals (inputs and
     results, like any f32 op they run): the scale 2^-127 of byte 0 is one, so its blocks count as
     zero, and a subnormal result is zero."""
-    from k3c.passes.mxfp4_gemv import matvec_module
+    from k3c.ops.mxfp4_gemv import matvec_module
 
     O, IN = 32, 64
     run = load_main(matvec_module(O, IN, decode), target)

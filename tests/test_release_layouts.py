@@ -67,7 +67,9 @@ def test_kimi_linear_48b_config_counts_what_the_checkpoint_stores(tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [("num_experts", 1_000_000), ("num_hidden_layers", 1_000_000)])
-def test_huge_configs_are_inspected_from_shapes_and_refused_by_compile(tmp_path, field, value):
+def test_huge_configs_are_inspected_from_shapes_and_fail_compile_at_once(tmp_path, field, value):
+    """inspect reads shapes only; compile --checkpoint of the config alone (no weights) fails in one
+    line at once: it reads the safetensors headers before building anything."""
     text = json.loads(json.dumps(k3_release_config()["text_config"]))
     text.update({"hidden_size": 64, "vocab_size": 512, "intermediate_size": 128, "num_attention_heads": 2,
                  "num_key_value_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
@@ -91,7 +93,7 @@ def test_huge_configs_are_inspected_from_shapes_and_refused_by_compile(tmp_path,
                        capture_output=True, text=True, timeout=300)
     lines = c.stderr.strip().splitlines()
     assert c.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), c.stderr
-    assert "memory available" in lines[0]
+    assert "no model.safetensors" in lines[0]
     assert time.perf_counter() - t < 120
     assert not (tmp_path / "b").exists()
 
@@ -140,14 +142,19 @@ def test_release_layout_compiles_validates_and_gives_the_plain_logits(release_di
     from k3c.interface.validate import validate
     monkeypatch.setenv("K3C_CACHE", str(k3c_cache))
     lines = []
-    bundle = build_bundle(tmp_path / "release-cpu", parse_target("cpu"), checkpoint=release_dir, max_prompt=128,
+    bundle = build_bundle(tmp_path / "release-cpu", parse_target("cpu"), checkpoint=release_dir,
+                          max_prompt=tiny_bundle.manifest.max_prompt,
                           log=lines.append)
     assert any("compiled module found in cache" in line for line in lines), lines
+    assert bundle.checkpoint_dir == release_dir.resolve() and not (bundle.root / "checkpoint").exists()
     steps, _ = validate(bundle)
     assert all(s.passed for s in steps), steps
     got, want = np.load(bundle.reference_path), np.load(tiny_bundle.reference_path)
     for key in ("prompt_ids", "prefill_logits", "decode_ids", "decode_logits"):
         assert np.array_equal(got[key], want[key]), key
+    from k3c.runtimes.session import Session
+    compiled = [Session(b).prefill(want["prompt_ids"])[0] for b in (bundle, tiny_bundle)]
+    assert np.array_equal(*compiled)              # the same module on the same weights, packed from either layout
 
 
 def test_quantize_keeps_the_vision_tensors_of_the_release(tmp_path):
@@ -221,18 +228,47 @@ def test_inspect_of_a_checkpoint_counts_its_headers(hf_saved, tmp_path):
 
 
 @pytest.mark.slow
-def test_transformers_checkpoint_compiles_and_validates(hf_saved, k3c_cache, tmp_path, monkeypatch):
-    """The bundle holds the checkpoint converted to k3c's names once (it used to be converted twice)."""
+def test_transformers_checkpoint_compiles_validates_and_gives_transformers_logits(hf_saved, k3c_cache, tmp_path,
+                                                                                 monkeypatch):
+    """Packed as transformers saved it (no converted copy in the bundle); the compiled logits match
+    transformers' own KimiLinearForCausalLM on the same directory."""
     from k3c.interface.build import build_bundle
     from k3c.compiler.targets import parse_target
-    from k3c.interface.validate import validate
+    from k3c.interface.validate import TOLERANCE, validate
+    from k3c.runtimes.session import Session
     monkeypatch.setenv("K3C_CACHE", str(k3c_cache))
     bundle = build_bundle(tmp_path / "kl-cpu", parse_target("cpu"), checkpoint=hf_saved, max_prompt=32,
                           log=lambda _: None)
     assert bundle.manifest.config["model_type"] == "kimi_linear"
-    _, ckpt = open_checked(bundle.checkpoint_dir)
-    assert ckpt.in_model_layout
+    assert bundle.checkpoint_dir == hf_saved.resolve() and not (bundle.root / "checkpoint").exists()
     steps, _ = validate(bundle)
     assert all(s.passed for s in steps), steps
     ref = np.load(bundle.reference_path)
     assert ref["prefill_logits"].std() > 0.5   # the weights are not degenerate
+    hf = KimiLinearForCausalLM.from_pretrained(hf_saved).float().eval()
+    with torch.no_grad():
+        want = hf(input_ids=torch.from_numpy(ref["prompt_ids"])[None], use_cache=False).logits[0].numpy()
+    got, _ = Session(bundle).prefill(ref["prompt_ids"])
+    # compiled vs PyTorch (TOLERANCE) plus K3Model vs transformers (test_kimi_linear.py: 1e-4)
+    assert np.abs(got - want).max() < TOLERANCE["llvm-cpu"] + 1e-4
+
+
+@pytest.mark.slow
+def test_hub_layout_runs_a_module_compiled_from_its_config(hf_saved, k3c_cache, tmp_path, monkeypatch):
+    """Kimi Linear as the Hub stores it (docs/model.md §8: bf16 but for A_log and dt_bias): a module
+    compiled with --no-weights from the config alone (the published dtypes) takes the checkpoint
+    through attach, packed as stored, and validates."""
+    from k3c.interface.build import attach_weights, build_module_only
+    from k3c.compiler.targets import parse_target
+    from k3c.interface.validate import validate
+    monkeypatch.setenv("K3C_CACHE", str(k3c_cache))
+    hub = hub_layout(hf_saved, tmp_path / "hub")
+    tensors = {k: t if k.endswith(("A_log", "dt_bias")) else t.to(torch.bfloat16)
+               for k, t in load_file(hub / "model.safetensors").items()}
+    save_file(tensors, hub / "model.safetensors", metadata={"format": "pt"})
+    module = build_module_only(tmp_path / "module", K3Config.from_hf(hub), parse_target("cpu"), max_prompt=32,
+                               force=False, log=lambda _: None)
+    bundle = attach_weights(module, hub, tmp_path / "bundle", log=lambda _: None)
+    assert bundle.checkpoint_dir == hub.resolve()
+    steps, _ = validate(bundle)
+    assert all(s.passed for s in steps), steps

@@ -246,7 +246,7 @@ def test_corrupt_cache_is_rebuilt(tiny_bundle, k3c_cache, tmp_path):
         e.write_text(e.read_text()[: len(e.read_text()) // 2])
     env = {**os.environ, "K3C_CACHE": str(cache)}
     out = tmp_path / "b"
-    r = subprocess.run([str(K3C), "compile", "--preset", "k3-tiny", "--max-prompt", "128", "-o", str(out)],
+    r = subprocess.run([str(K3C), "compile", "--preset", "k3-tiny", "-o", str(out)],  # as tiny_bundle is compiled
                        env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("damaged") == 2
@@ -290,7 +290,7 @@ EDITS = {
     "target-flags": (lambda m: m["target"].update(flags="x"), "'flags'"),
     "unknown-field": (lambda m: m.update(signature="x"), "'signature' is not a manifest field"),
     "missing-field": (lambda m: m.pop("config_hash"), "'config_hash' is missing"),
-    "max_prompt": (lambda m: m.update(max_prompt=m["max_prompt"] * 2), "compiled for max_prompt 128"),
+    "max_prompt": (lambda m: m.update(max_prompt=m["max_prompt"] * 2), "compiled for max_prompt 1024"),
     "target-name": (lambda m: m["target"].update(name="cpu:x86-64"), 'target name "cpu"'),
     "target-backend": (lambda m: m["target"].update(backend="vulkan-spirv"), 'target backend "llvm-cpu"'),
     "batch": (lambda m: m.update(batch=2), "compiled for batch 1"),
@@ -393,12 +393,13 @@ def test_validate_names_first_non_finite_step_and_layer(bundle_copy):
     index = rt.ParameterIndex()
     index.load(str(archive))
     tensors = {key: np.frombuffer(bytes(e.file_view), dtype=np.uint8).copy() for key, e in index.items()}
+    metadata = {key: e.metadata.decode() or None for key, e in index.items()}   # the archive's description
     del index
     norm = tensors["layers.kda_moe.input_layernorm.weight"].view(np.uint16).reshape(3, -1)  # layers 1, 2, 4 (bf16)
     norm[1] = 0x7FC0                                                                       # layer 2: bf16 NaN
     out = rt.ParameterIndex()
     for key, data in tensors.items():
-        out.add_buffer(key, data)
+        out.add_buffer(key, data, metadata=metadata[key])
     archive.unlink()
     out.create_archive_file(str(archive))
     reseal(bundle_copy)

@@ -27,7 +27,8 @@ from torch.export import Dim, export
 from k3c.model import K3Config  # registers torch.ops.k3.*
 from conftest import needs_vulkan_run  # tests/ is on sys.path
 from k3c.compiler import devices as device
-from k3c.runtimes.readback import read_back
+from k3c.runtimes import readback
+from k3c.runtimes.readback import DeviceFunction, read_back
 
 K3C = Path(sys.executable).with_name("k3c")  # the console script installed beside this interpreter
 TOKENS = [1, 255, 257, 600]
@@ -78,11 +79,11 @@ def compiled(op: str, spec: str, dynamic: bool):
     Pipeline.for_target(target).run(importer.module, log=lambda _: None)
     vmfb = compile_mlir(str(importer.module), target, log=lambda _: None)
     config = rt.Config(target.driver)
-    main = rt.load_vm_modules(rt.VmModule.copy_buffer(config.vm_instance, vmfb), config=config)[-1].main
+    main = DeviceFunction(readback.load(config, rt.VmModule.copy_buffer(config.vm_instance, vmfb)), "module", "main")
 
     def run(*arrays):
-        out = main(*(a if isinstance(a, rt.DeviceArray) else np.ascontiguousarray(a) for a in arrays))
-        return tuple(read_back(o) for o in out) if isinstance(out, (tuple, list)) else read_back(out)
+        out = [read_back(main.device, o) for o in main(*arrays)]
+        return tuple(out) if len(out) > 1 else out[0]
 
     return run, main, target.driver
 
@@ -110,11 +111,11 @@ def test_kda_step_as_shipped(spec, fla_naive):
         S, outs = S0.numpy(), []
         for t in range(T):
             o, S = main(*(np.ascontiguousarray(x[:, t:t + 1].numpy()) for x in (qs, k, v, g, beta)), S)
-            outs.append(read_back(o))
+            outs.append(read_back(main.device, o))
         o_ref, S_ref = fla_recurrent(fla_naive, q, k, v, g, beta, S0)
         np.testing.assert_allclose(np.concatenate(outs, axis=1), o_ref, rtol=0, atol=TOLERANCE[driver],
                                    err_msg=f"o over {T} steps")
-        np.testing.assert_allclose(read_back(S), S_ref, rtol=0, atol=TOLERANCE[driver],
+        np.testing.assert_allclose(read_back(main.device, S), S_ref, rtol=0, atol=TOLERANCE[driver],
                                    err_msg=f"S after {T} steps")
 
 
@@ -206,20 +207,21 @@ def test_inspect_prints_no_warning():
 
 def test_decompositions_print_no_warning():
     """Both places k3c runs torch's decompositions (exporter.export.decompose, and torch-mlir's
-    export_and_import under passes/trace.py), on a two-op program, in a fresh interpreter."""
+    export_and_import under ops/trace.py), on a two-op program, in a fresh interpreter."""
     code = """
 import torch
 from torch.export import export
 from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 from k3c.exporter.export import decompose
-from k3c.passes.trace import TensorType, trace_to_linalg
+from k3c.ops.base import TensorType
+from k3c.ops.trace import trace_to_linalg
 
 class Net(torch.nn.Module):
     def forward(self, x):
         return torch.nn.functional.silu(x).sum(-1)
 
 decompose(export(Net(), (torch.ones(2, 3),)), get_decomposition_table())
-assert "linalg" in trace_to_linalg(Net(), [TensorType((None, 3), "f32")], "f")
+assert "linalg" in trace_to_linalg(Net(), [TensorType(("N", 3), torch.float32)], "f")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

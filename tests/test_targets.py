@@ -22,12 +22,13 @@ from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
 from k3c.errors import K3Error
 from k3c.exporter.export import decompose
-from k3c.model import mxfp4
-from k3c.passes.lowerings import _recurrent_v_major, kda_step_v_major
+from k3c.ops import mxfp4
+from k3c.ops.kda import kda_step_v_major, recurrent_v_major
 from k3c.passes.pipeline import Pipeline, Rewrite
 from conftest import needs_vulkan_run  # tests/ is on sys.path
 from k3c.compiler import devices as device
-from k3c.runtimes.readback import read_back
+from k3c.runtimes import readback
+from k3c.runtimes.readback import DeviceFunction
 from k3c.compiler.targets import KNOWN_TARGETS, PROBE, Target, compile_mlir, compiles_here, parse_target
 
 LLVMPIPE = "llvmpipe (LLVM 15.0.6, 256 bits) (llvmpipe Mesa 22.3.6 (LLVM 15.0.6))"
@@ -129,19 +130,27 @@ def test_probe_compile_tells_a_working_target_from_a_broken_one():
 # ---- read_back -----------------------------------------------------------------------------
 
 
-def load(vmfb: bytes, driver: str, *more_modules):
+def load(vmfb: bytes, driver: str):
+    """Function name -> the module's function of that name on ``driver``'s device."""
     config = rt.Config(driver)
-    module = rt.VmModule.copy_buffer(config.vm_instance, vmfb)
-    return rt.load_vm_modules(*more_modules, module, config=config)[-1]
+    context = readback.load(config, rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    return lambda name: DeviceFunction(context, "module", name)
+
+
+def read_back(f: DeviceFunction, view) -> np.ndarray:
+    return readback.read_back(f.device, view)
 
 
 @pytest.mark.parametrize("spec", ["cpu", pytest.param("vulkan", marks=no_vulkan)])
 def test_read_back_returns_the_device_result(spec):
     """PROBE sums the rows of a 4x8 matrix: for arange(32), row r sums to 64r + 28."""
     target = parse_target(spec)
-    probe = load(compile_mlir(PROBE, target, log=lambda _: None), target.driver)
-    got = read_back(probe.probe(np.arange(32, dtype=np.float32).reshape(4, 8)))
+    probe = load(compile_mlir(PROBE, target, log=lambda _: None), target.driver)("probe")
+    (result,) = probe(np.arange(32, dtype=np.float32).reshape(4, 8))
+    got = read_back(probe, result)
     assert got.dtype == np.float32 and got.tolist() == [28.0, 92.0, 156.0, 220.0]
+    # through the device's staging copy too, the path of results that are not host visible
+    assert readback.staged_copy(probe.device, result).tolist() == got.tolist()
 
 
 # ---- the custom ops compiled per target ------------------------------------------------------
@@ -219,7 +228,7 @@ def test_custom_ops_compile_for(spec, executable_format):
 def test_v_major_step_matches_fla(fla_naive):
     """The SPIR-V variant of kda_step, eager, against fla's naive recurrent KDA over 3 tokens."""
     q, k, v, g, beta, S0 = op_inputs(3, 2)[:6]
-    o, S = _recurrent_v_major(q, k, v, g, beta, S0)
+    o, S = recurrent_v_major(q, k, v, g, beta, S0)
     o_ref, S_ref = fla_naive.naive_recurrent_kda(q, k, v, g, beta, scale=1.0, initial_state=S0, output_final_state=True)
     torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(S, S_ref, rtol=0, atol=1e-5)
@@ -258,18 +267,19 @@ def test_custom_ops_on_vulkan_match_independent_references(fla_naive):
     KDA and the ml_dtypes MoE."""
     target = parse_target("vulkan")
     ops = load(compiled_ops(target.name), target.driver)
+    prefill, decode = ops("prefill"), ops("decode")
     inputs = op_inputs(70, 1)
-    o, S, y = ops.prefill(*(t.numpy() for t in inputs))
+    o, S, y = prefill(*(t.numpy() for t in inputs))
     q, k, v, g, beta, S0 = inputs[:6]
     o_ref, S_ref = fla_naive.naive_recurrent_kda(q, k, v, g, beta, scale=1.0, initial_state=S0,
                                                  output_final_state=True)
-    np.testing.assert_allclose(read_back(o), o_ref.numpy(), rtol=0, atol=1e-4)
-    np.testing.assert_allclose(read_back(y), moe_reference(*inputs[6:]), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(read_back(prefill, o), o_ref.numpy(), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(read_back(prefill, y), moe_reference(*inputs[6:]), rtol=0, atol=1e-4)
     for step in range(3):
         token = op_inputs(1, 10 + step)
-        o, S, y = ops.decode(*(t.numpy() for t in token[:5]), S, *(t.numpy() for t in token[6:]))
+        o, S, y = decode(*(t.numpy() for t in token[:5]), S, *(t.numpy() for t in token[6:]))
         o_ref, S_ref = fla_naive.naive_recurrent_kda(*token[:5], scale=1.0, initial_state=S_ref,
                                                      output_final_state=True)
-        np.testing.assert_allclose(read_back(o), o_ref.numpy(), rtol=0, atol=1e-4)
-        np.testing.assert_allclose(read_back(y), moe_reference(*token[6:]), rtol=0, atol=1e-4)
-    np.testing.assert_allclose(read_back(S), S_ref.numpy(), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(read_back(prefill, o), o_ref.numpy(), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(read_back(prefill, y), moe_reference(*token[6:]), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(read_back(prefill, S), S_ref.numpy(), rtol=0, atol=1e-4)

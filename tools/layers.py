@@ -19,7 +19,8 @@ PACKAGE = "k3c"
 # the package; names in one tuple share a layer. "__init__" is the package's own __init__.py.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__", "errors", "utils"),   # the one exception type, shared helpers (atomic writes, hashing)
-    ("model",),                        # reference model, config, checkpoint I/O, MXFP4, eager op kernels
+    ("ops",),                          # the k3 custom ops: schema, eager reference, lowerings; MXFP4, numerics
+    ("model",),                        # reference model, config, checkpoint I/O
     ("exporter",),                     # torch.export -> torch-mlir, ONNX export and import
     ("passes",),                       # MLIR rewrites of the k3 custom ops
     ("compiler",),                     # the target table and iree-compile, the devices of this host
