@@ -7,7 +7,6 @@ import pytest
 
 from k3c.interface.build import build_bundle
 from conftest import VULKAN_RUNS, needs_vulkan_run  # tests/ is on sys.path
-from k3c.compiler import devices as device
 from k3c.compiler.targets import parse_target
 from k3c.interface.validate import TOLERANCE, validate
 

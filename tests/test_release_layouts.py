@@ -25,7 +25,7 @@ from transformers import KimiLinearForCausalLM
 
 from k3c.cli import main
 from k3c.model import K3Config, checkpoint
-from k3c.model.checkpoint import load_checkpoint, open_checked
+from k3c.model.checkpoint import load_checkpoint
 
 K3C = Path(sys.executable).with_name("k3c")
 VISION = {"vision_tower.blocks.0.attn.qkv.weight": torch.ones(24, 8, dtype=torch.bfloat16),

@@ -26,7 +26,6 @@ from torch.export import Dim, export
 
 from k3c.model import K3Config  # registers torch.ops.k3.*
 from conftest import needs_vulkan_run  # tests/ is on sys.path
-from k3c.compiler import devices as device
 from k3c.runtimes import readback
 from k3c.runtimes.readback import DeviceFunction, read_back
 
