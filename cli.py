@@ -577,8 +577,8 @@ def targets(validate_preset, markdown, work):
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1),
               help="Threads for PyTorch and for IREE's workers alike.")
 @click.option("--compile-layers", default=None, metavar="N,N,...",
-              help="Depths of the compile section (default 8,16,32: about half an hour of export and "
-                   "iree-compile on 2 cores).")
+              help="Depths of the compile section at k3-small widths (default 8,32,93; the section then "
+                   "compiles the full K3 for cpu and cuda:sm_80: about an hour on 2 cores).")
 def bench(quick, json_out, plot_out, only, work, threads, compile_layers):
     """Compiled CPU modules vs PyTorch eager, and compiler costs; every judged figure is a ratio of
     measurements interleaved in this run. Prints a Markdown table of the targets; exit 0 even on misses."""

@@ -61,16 +61,22 @@ class Experts(nn.Module):
 
 
 def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores along the last dim, largest first, by k rounds of argmax.
-    Same result as torch.topk for distinct scores; written this way because IREE 3.13's llvm-cpu
-    backend miscompiles every topk after the first in a function (one per MoE layer here)."""
-    experts = torch.arange(scores.shape[-1], device=scores.device)
+    """Indices of the k largest scores along the last dim, largest first: k rounds of a max, then the
+    first index holding it (a NaN counts as the largest, as in torch.argmax). Same result as
+    torch.topk for distinct scores. Written without topk or argmax: IREE 3.13's llvm-cpu backend
+    miscompiles every topk after the first in a function (one per MoE layer here), and its CUDA
+    backend fails to distribute an argmax over K3's 896 experts ("failed to distribute"); a float max
+    and an int32 min are plain reductions on every target."""
+    E = scores.shape[-1]
+    experts = torch.arange(E, dtype=torch.int32, device=scores.device)
     picked = []
     for _ in range(k):
-        i = scores.argmax(dim=-1, keepdim=True)
+        top = scores.amax(dim=-1, keepdim=True)
+        hit = (scores == top) | scores.isnan()
+        i = torch.where(hit, experts, E).amin(dim=-1, keepdim=True)
         picked.append(i)
         scores = scores.masked_fill(experts == i, float("-inf"))
-    return torch.cat(picked, dim=-1)
+    return torch.cat(picked, dim=-1).long()
 
 
 def route(cfg: K3Config, x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor):

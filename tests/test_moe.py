@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from k3c.model import K3Config
-from k3c.model.moe import route
+from k3c.model.moe import route, top_k_indices
 from k3c.ops.numerics import situ
 
 BETA1, BETA2 = 4.0, 25.0  # activation_situ_beta, activation_situ_linear_beta
@@ -65,3 +65,22 @@ def test_router_single_expert_is_not_renormalised():
     cfg = K3Config(num_experts=4, num_experts_per_token=1, hidden_size=4, quantization_config=None)
     idx, w = route(cfg, torch.tensor([[0.5, 0, 0, 0]]), torch.eye(4), torch.zeros(4))
     assert idx.tolist() == [[0]] and w.item() == pytest.approx(torch.sigmoid(torch.tensor(0.5)).item())
+
+
+@pytest.mark.parametrize("E,k", [(8, 2), (32, 4), (896, 16)])
+def test_top_k_equals_torch_topk(E, k):
+    torch.manual_seed(E)
+    scores = torch.randn(64, E)
+    assert torch.equal(top_k_indices(scores, k), torch.topk(scores, k).indices)
+
+
+def test_top_k_ties_and_nan_as_argmax_rounds():
+    """Ties go to the first index and a NaN counts as the largest score, as torch.argmax has it."""
+    scores = torch.tensor([[1.0, 3.0, 3.0, 0.0], [float("nan"), 2.0, float("nan"), 5.0],
+                           [float("-inf")] * 4])
+    want, s = [], scores.clone()
+    for _ in range(3):
+        i = s.argmax(-1, keepdim=True)
+        want.append(i)
+        s = s.scatter(-1, i, float("-inf"))
+    assert torch.equal(top_k_indices(scores, 3), torch.cat(want, -1))
