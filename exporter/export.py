@@ -1,8 +1,10 @@
-"""K3Model -> torch.export -> torch-dialect MLIR with three entry points and external parameters.
+"""K3Model -> torch.export -> torch-dialect MLIR with three entry points (and one per layer group) and external parameters.
 
     prefill(tokens [B, T])          -> (logits [B, T, vocab], hidden [layers, B, T, D], *state)
     extend(tokens [B, T], *state)   -> (logits [B, T, vocab], *state)
     decode(token [B, 1], *state)    -> (logits [B, 1, vocab], *state)
+
+    layer_<group>(E, at, *layer state) -> (p, *layer state)   one layer of a group (docs/bundle.md §7)
 
 ``extend`` continues a sequence by T tokens (chunked prefill: a prompt longer than max_prompt, or a
 new chat turn). T is dynamic in [1, max_prompt]; the MLA caches in the state have a dynamic length L
