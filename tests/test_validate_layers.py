@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3c.model import K3Config
-from tests.test_cli_errors import assert_one_line_error, k3c_in_process
+from test_cli_errors import assert_one_line_error, k3c_in_process
 
 TINY = K3Config.preset("k3-tiny")
 
