@@ -486,16 +486,25 @@ def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, seed, stop):
 @click.option("--target", default="cpu", show_default=True, help="Target when building from --preset/--checkpoint.")
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None, help="Where to write the bundle it builds.")
 @click.option("--per-layer", is_flag=True, help="Also compare the residual stream after every layer.")
+@click.option("--layers", "by_layer", is_flag=True,
+              help="Check every layer on its own (no whole-model reference needed; memory of one layer): its "
+                   "compiled entry point against the eager layer on that layer's weights from the checkpoint "
+                   "(with BUNDLE, --checkpoint names another checkpoint of the same config to read them from).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
 @FORCE
-def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_layer, json_out, force):
+def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_layer, by_layer, json_out, force):
     """Compare a bundle (or one built now from --preset/--checkpoint) against its PyTorch reference:
-    per step max abs/rel error, cosine, top-1/top-5 agreement; exit 1 on FAIL."""
+    per step max abs/rel error, cosine, top-1/top-5 agreement; with --layers, per layer max abs/rel
+    error; exit 1 on FAIL."""
     from rich.console import Console
     from rich.table import Table
     from .artifacts.bundle import open_bundle
     from .utils.files import write_atomic
     from .interface.validate import TOLERANCE, as_dicts, first_divergent, first_non_finite, validate as run_validation
+    if by_layer:
+        if per_layer:
+            raise K3Error("validate: give either --layers or --per-layer, not both")
+        return _validate_layers(bundle, preset, checkpoint, seed, max_prompt, target, output, json_out, force)
     with spinner("validate: current step"):
         b = open_bundle(bundle) if bundle else _build(preset, checkpoint, seed, max_prompt, target, output, force=force)
         tol = TOLERANCE[b.manifest.target["backend"]]
@@ -525,6 +534,39 @@ def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_l
     ok = all(s.passed for s in steps)
     click.echo("PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
+
+
+def _validate_layers(bundle, preset, checkpoint, seed, max_prompt, target, output, json_out, force):
+    """``k3c validate --layers`` (interface/validate_layers.py): a table of every layer, exit 1 on FAIL."""
+    from rich.console import Console
+    from rich.table import Table
+    from .artifacts.bundle import open_bundle
+    from .utils.files import write_atomic
+    from .interface.validate import TOLERANCE, as_dicts
+    from .interface.validate_layers import validate_layers
+    with spinner("validate --layers: current layer"):
+        if bundle:
+            b, against = open_bundle(bundle), checkpoint
+        else:
+            b, against = _build(preset, checkpoint, seed, max_prompt, target, output, force=force), None
+        checks, peak = validate_layers(b, Path(against) if against else None, log=log)
+    tol = TOLERANCE[b.manifest.target["backend"]]
+    table = Table(title=f"{b.root.name}: each layer on {b.manifest.target['name']} vs PyTorch on its own weights "
+                        f"(tolerance {tol:g} max abs)")
+    for col in ("layer", "kind", "max abs", "max rel", "result"):
+        table.add_column(col, justify="right")
+    for c in checks:
+        table.add_row(str(c.layer), c.kind, f"{c.max_abs:.2e}", f"{c.max_rel:.2e}",
+                      "PASS" if c.passed else "[red]FAIL[/red]" if c.finite else "[red]FAIL (non-finite)[/red]")
+    Console().print(table)
+    click.echo(f"peak RSS {peak / 2**20:.0f} MiB")
+    if json_out:
+        write_atomic(Path(json_out), json.dumps({"bundle": str(b.root), "target": b.manifest.target["name"],
+                                                 "tolerance": tol, "peak_rss": peak, "layers": as_dicts(checks)},
+                                                indent=2).encode())
+    bad = next((c for c in checks if not c.passed), None)
+    click.echo("PASS" if bad is None else f"FAIL (first at layer {bad.layer}, {bad.kind})")
+    sys.exit(0 if bad is None else 1)
 
 
 @main.command()

@@ -1,8 +1,10 @@
-"""K3Model -> torch.export -> torch-dialect MLIR with three entry points and external parameters.
+"""K3Model -> torch.export -> torch-dialect MLIR with three entry points (and one per layer group) and external parameters.
 
     prefill(tokens [B, T])          -> (logits [B, T, vocab], hidden [layers, B, T, D], *state)
     extend(tokens [B, T], *state)   -> (logits [B, T, vocab], *state)
     decode(token [B, 1], *state)    -> (logits [B, 1, vocab], *state)
+
+    layer_<group>(E, at, *layer state) -> (p, *layer state)   one layer of a group (docs/bundle.md §7)
 
 ``extend`` continues a sequence by T tokens (chunked prefill: a prompt longer than max_prompt, or a
 new chat turn). T is dynamic in [1, max_prompt]; the MLA caches in the state have a dynamic length L
@@ -184,6 +186,26 @@ def example_state(model: K3Model, batch: int, length: int) -> list[torch.Tensor]
     return state
 
 
+# the form of each attention kind's body that its public layer entry point runs: a prompt piece
+LAYER_FORM = {"kda": "prefill", "mla": "start"}
+
+
+def layer_function(group: str) -> str:
+    """The public entry point running one layer of ``group`` (``k3c validate --layers``, docs/bundle.md §7)."""
+    return f"layer_{group}"
+
+
+def layer_entry_points(cfg, batch: int, max_prompt: int, rows: int) -> dict[str, str]:
+    """Manifest signature text of each group's layer entry point (its LayerBody in LAYER_FORM)."""
+    D, H, K, W = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.conv_size
+    E = f"E [{rows}, {batch}, T<= {max_prompt}, {D}], at [3] int32 (bank row n, closes, index in group)"
+    state = {"kda": (f", conv [{batch}, 3, {H * K}, {W - 1}], S [{batch}, {H}, {K}, {K}]",
+                     f"(p [{batch}, T, {D}], conv, S)"),
+             "mla": ("", f"(p | cache [{batch}, T, {D} + {cfg.mla_cache_width}])")}
+    return {layer_function(g.name): f"({E}{state[g.attention][0]}) -> {state[g.attention][1]}"
+            for g in layer_groups(cfg).values()}
+
+
 def register_bodies(model: K3Model, stored: dict[str, torch.dtype] | None = None,
                     weights: bool = False) -> dict[str, LayerBody]:
     """One LayerBody per layer group and form (``BODY_FORMS``), registered in exporter.layers.BODIES
@@ -352,6 +374,10 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         for key, (program, body) in bodies.items():
             hooks.names = body.parameter_names()
             importer.import_program(program, func_name=body_function(key), func_visibility="private")
+        for key, (program, body) in bodies.items():
+            if key == f"{body.group.name}.{LAYER_FORM[body.group.attention]}":
+                hooks.names = body.parameter_names()
+                importer.import_program(program, func_name=layer_function(body.group.name))
         hooks.names = {}
         for key, program in runs.items():
             importer.import_program(program, func_name=run_function(key), func_visibility="private")
@@ -371,6 +397,7 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         "extend": f"(tokens [{batch}, T<= {max_prompt}] int64, state...) -> (logits [{batch}, T, {V}] f32, state...)",
         "decode": f"(token [{batch}, 1] int64, state...) -> (logits [{batch}, 1, {V}] f32, state...)",
         "state": shapes,
+        **layer_entry_points(cfg, batch, max_prompt, Program(model, "prefill").rows),
     }
     return ExportedModule(importer.module, entry_points, max_prompt, batch)
 

@@ -48,7 +48,7 @@ from ..errors import K3Error
 from ..ops import mxfp4
 from .config import K3Config
 from .kimi_linear import k3_parts
-from .model import K3Model
+from .model import DecoderLayer, K3Model
 from .shapes import require_memory
 from .stacking import from_checkpoint, to_checkpoint
 
@@ -374,3 +374,18 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32) -
         loaded[name] = t.contiguous()
     model.load_state_dict(from_checkpoint(loaded), assign=True)
     return model.eval()
+
+
+def load_layer(ckpt: Checkpoint, cfg: K3Config, layer: int, dtype: torch.dtype = torch.float32) -> DecoderLayer:
+    """Decoder layer ``layer`` alone with its tensors read from ``ckpt`` (``open_checked``), cast as in
+    ``load_checkpoint``: built on the meta device and filled, so memory holds this one layer."""
+    prefix = f"model.layers.{layer}."
+    loaded = {}
+    for name, t in read_entries(ckpt, sorted(n for n in ckpt.entries if n.startswith(prefix)), f"loading layer {layer}"):
+        if t.dtype != torch.uint8:
+            t = t.to(torch.float32 if name.endswith(FP32_SUFFIXES) else dtype)
+        loaded[name.removeprefix(prefix)] = t.contiguous()
+    with torch.device("meta"):
+        module = DecoderLayer(cfg, layer)
+    module.load_state_dict(from_checkpoint(loaded), assign=True)
+    return module.eval()

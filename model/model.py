@@ -75,6 +75,25 @@ class DecoderLayer(nn.Module):
         return self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
 
 
+def decoder_step(cfg: K3Config, layer: DecoderLayer, i: int, bank: list[torch.Tensor], p: torch.Tensor,
+                 state: K3State, slot: int, decode: bool) -> torch.Tensor:
+    """Decoder layer ``i`` (module docstring) on the partial sum ``p``: the new p. ``bank`` (the closed
+    blocks) gains the old p when layer i closes a block; the layer's state is updated at ``slot``."""
+    if not cfg.uses_attn_res:
+        p = p + layer.attention(p, state, slot, decode)
+        return p + layer.ffn(p)
+    x = attn_res(bank, p, layer.self_attention_res_proj.weight, layer.self_attention_res_norm.weight) \
+        if bank else p
+    a = layer.attention(x, state, slot, decode)
+    if cfg.closes_block(i):
+        bank.append(p)
+        p = a
+    else:
+        p = p + a
+    x = attn_res(bank, p, layer.mlp_res_proj.weight, layer.mlp_res_norm.weight)
+    return p + layer.ffn(x)
+
+
 class K3Model(nn.Module):
     """``model.*`` tensors and ``lm_head``; names match the checkpoint (docs/model.md §1-4)."""
 
@@ -118,21 +137,7 @@ class K3Model(nn.Module):
         p = m.embed_tokens(tokens)
         bank: list[torch.Tensor] = []
         for i, layer in enumerate(m.layers):
-            slot = self.slots[i]
-            if not cfg.uses_attn_res:
-                p = p + layer.attention(p, state, slot, decode)
-                p = p + layer.ffn(p)
-            else:
-                x = attn_res(bank, p, layer.self_attention_res_proj.weight, layer.self_attention_res_norm.weight) \
-                    if bank else p
-                a = layer.attention(x, state, slot, decode)
-                if cfg.closes_block(i):
-                    bank.append(p)
-                    p = a
-                else:
-                    p = p + a
-                x = attn_res(bank, p, layer.mlp_res_proj.weight, layer.mlp_res_norm.weight)
-                p = p + layer.ffn(x)
+            p = decoder_step(cfg, layer, i, bank, p, state, self.slots[i], decode)
             if hidden is not None:
                 hidden.append(p)
         if cfg.uses_attn_res:

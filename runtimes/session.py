@@ -71,10 +71,21 @@ class Session:
             raise K3Error(f"run: the module in {bundle.root} does not load with its parameters: "
                           f"{iree_error_line(e)}") from None
         self.device = self.config.device
+        self._context, self._module_name = context, module.name
         self.call = {name: DeviceFunction(context, module.name, name) for name in ("prefill", "extend", "decode")
                      if name in m.entry_points}
         self.state: tuple | None = None
         self.position = 0
+
+    def layer(self, name: str, *inputs: np.ndarray) -> list[np.ndarray]:
+        """Call the layer entry point ``name`` (``layer_<group>``, docs/bundle.md §7) on host arrays;
+        its results on the host. The sequence state is untouched."""
+        if name not in self.bundle.manifest.entry_points:
+            raise K3Error(f"run: {self.bundle.root} has no layer entry point {name} (compiled before "
+                          "k3c validate --layers); compile it again")
+        if name not in self.call:
+            self.call[name] = DeviceFunction(self._context, self._module_name, name)
+        return [self.host(v) for v in self.call[name](*inputs)]
 
     def host(self, view: rt.HalBufferView) -> np.ndarray:
         return read_back(self.device, view)

@@ -293,7 +293,8 @@ def test_checkpoint_larger_than_memory_compiles_runs_and_validates_where_it_fits
                                                                                 monkeypatch):
     """K3C_MEMORY_LIMIT one byte under the float32 model: the bundle is built from shapes and the
     streamed pack (no PyTorch model is loaded), says in one line that it has no reference outputs,
-    and runs; validate refuses in one line under the limit and computes the reference above it."""
+    and runs; validate refuses in one line under the limit (and validates layer by layer with
+    --layers) and computes the reference above it."""
     import k3c.interface.build as build
     from k3c.compiler.targets import parse_target
     from k3c.interface.validate import validate
@@ -317,6 +318,8 @@ def test_checkpoint_larger_than_memory_compiles_runs_and_validates_where_it_fits
     assert np.abs(logits - ref["prefill_logits"]).max() < 1e-4
     assert_one_line_error(*k3c_in_process("validate", bundle.root), "no reference outputs", "float32",
                           "k3c validate --layers")
+    code, _ = k3c_in_process("validate", "--layers", bundle.root)    # under the limit: layer by layer
+    assert code == 0
     monkeypatch.delenv(MEMORY_LIMIT)
     steps, _ = validate(bundle)
     assert all(s.passed for s in steps) and len(steps) == 1 + len(ref["decode_ids"]), steps
