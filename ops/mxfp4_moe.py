@@ -138,8 +138,11 @@ def _group(n_experts: int):
         counts = seen[-1].long()
         starts = counts.cumsum(0) - counts
         dest = starts[flat] + seen.gather(1, flat.unsqueeze(-1)).squeeze(-1) - 1
-        src = torch.zeros_like(flat).scatter(0, dest, torch.arange(N * k))
-        return z[src // k].view(N, k, -1), dest.view(N, k), counts, starts
+        # the token of each pair scattered, not its flat position divided by k: traced, the
+        # division is a float64 floor per gathered element
+        token = torch.arange(N).unsqueeze(-1).expand(N, k).flatten()
+        src = torch.zeros_like(flat).scatter(0, dest, token)
+        return z[src].view(N, k, -1), dest.view(N, k), counts, starts
     return group
 
 
