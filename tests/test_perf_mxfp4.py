@@ -75,6 +75,40 @@ def test_matvec_is_exact_on_every_code_and_scale_edge(target, decode):
     assert np.isinf(ys).any() and np.isnan(ys).any() and (np.abs(ys[np.isfinite(ys)]) > 2.0 ** 127).any()
 
 
+
+def test_prefill_dequantisation_is_exact_on_every_code_and_scale_edge():
+    """The cpu prefill's dequantisation into the mmt4d layout (templates/mxfp4_expert_tiled.mlir),
+    W4[n1, i, n0, 0] = W[16 n1 + n0, i], bit for bit against ml_dtypes in float64 rounded to f32:
+    every code in every row, each scale byte in some block (2^127 * 6 overflowing to inf, NaN
+    scales giving NaN), IREE's flush of subnormals as in the matvec test above."""
+    from iree.compiler import ir
+
+    from k3c.ops.base import TensorType
+    from k3c.ops.mlir import standalone
+    from k3c.ops.mxfp4_moe import tiled_expert
+
+    O, IN = 32, 64
+    p, s = f"tensor<1x{O}x{IN // 2}xi8>", f"tensor<1x{O}x{IN // 32}xi8>"
+    w = f"tensor<{O // 16}x{IN}x16x1xf32>"
+    main = (f"module {{ func.func private @x_rhs_up({p}, {s}) -> {w}\n"
+            f"func.func @main(%P: {p}, %S: {s}) -> {w} {{ %W = func.call @x_rhs_up(%P, %S) : ({p}, {s}) -> {w}\n"
+            f"return %W : {w} }} }}")
+    types = [TensorType(("R", IN), torch.float32)] + [TensorType(t, torch.uint8) for t in
+                                                      [(1, O, IN // 2), (1, O, IN // 32)] * 2 + [(1, IN, O // 2), (1, IN, O // 32)]]
+    with ir.Context():
+        text = standalone([*tiled_expert("situ", BETA1, BETA2)("x", types), main], "main", "the tiled dequantisation")
+    run = load_main(text, "cpu")
+    codes = (np.arange(IN)[None] + np.arange(O)[:, None]) % 16
+    packed = (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8)
+    scale = SCALE_BYTES[(np.arange(O)[:, None] + 7 * np.arange(IN // 32)) % len(SCALE_BYTES)]
+    W = dequantise(packed, scale)
+    with np.errstate(over="ignore"):
+        expected = np.where(np.repeat(scale == 0, 32, axis=1), 0.0, W).astype(np.float32)
+    expected[np.abs(expected) < np.finfo(np.float32).tiny] = 0.0
+    got = run(packed[None].view(np.int8), scale[None].view(np.int8))[..., 0]       # [O/16, IN, 16]
+    np.testing.assert_array_equal(got.transpose(0, 2, 1).reshape(O, IN), expected)
+    assert np.isinf(got).any() and np.isnan(got).any()
+
 def experts(seed: int) -> list[np.ndarray]:
     """w1, w3 [E, I, L], w2 [E, L, I] as (packed, scale): random codes, scales of 2^-6 .. 2^-2."""
     gen = np.random.default_rng(seed)
