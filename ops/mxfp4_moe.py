@@ -18,6 +18,12 @@ which IREE compiles to one dispatch (mxfp4.dequantize's interleaving of the two 
 strided copy; with it the gather form that came before was ~3x slower per weight). On llvm-cpu the
 decode form instead multiplies the packed weights as they are (``streamed``, mxfp4_gemv.py): a
 decode step reads each picked matrix once, 0.53 bytes per weight.
+
+A pair (token, slot) whose expert lies outside [0, E) adds nothing: on a program over several
+devices each device holds a contiguous range of the experts and gets the pairs with their expert
+ids shifted by the range's start (exporter/devices.py). The ``ranged`` lowerings (``SHARDED``)
+skip those pairs, so a device does no expert work for a token routed elsewhere; the one-device
+lowerings take every id in range (the router's picks).
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ def mxfp4_moe(z: Tensor, idx: Tensor, w: Tensor,
     """y [N, L] in z's dtype (float64 in the double-precision reference). Reference: for each
     expert that was picked, dequantise it and run its tokens."""
     y = z.new_zeros(z.shape[0], w2_packed.shape[1])
-    for e in idx.unique().tolist():
+    for e in [e for e in idx.unique().tolist() if 0 <= e < w1_packed.shape[0]]:
         token, slot = (idx == e).nonzero(as_tuple=True)
         W1 = mxfp4.dequantize(w1_packed[e], w1_scale[e], z.dtype)
         W3 = mxfp4.dequantize(w3_packed[e], w3_scale[e], z.dtype)
@@ -113,33 +119,38 @@ def traced_slot(ffn):
     return slot
 
 
-def by_slot(sym: str, ins: list[TensorType], slot) -> list[str]:
+def by_slot(sym: str, ins: list[TensorType], slot, ranged: bool = False) -> list[str]:
     """Decode form of ``func @sym(z [N, L], idx [N, k], w [N, k], *weights [E, ...]) -> [N, L]``
     (templates/mxfp4_moe_by_slot.mlir); ``slot(name, types)`` gives the texts defining ``func
     @name(a [1, L], rows [1, L], ws [1, 1], *weight slices [1, ...]) -> a + ws * FFN(rows)`` (e.g.
-    ``traced_slot(ffn)``). The weights may be of any kind the slot takes (the bench passes bf16)."""
+    ``traced_slot(ffn)``). The weights may be of any kind the slot takes (the bench passes bf16).
+    ``ranged``: pairs whose expert is outside [0, E) are skipped (module docstring)."""
     z, idx, w, *weights = ins
     N, k, L = z.shape[0], idx.shape[1], z.shape[1]  # experts map L -> L
     row, wt = TensorType((1, L), z.dtype), TensorType((1, 1), w.dtype)
     walked = _weights(weights)
     one = [m["one"] for m in walked]
     wrapper = render("mxfp4_moe_by_slot.mlir", sym=sym, z=z, idx=idx, w=w, weights=walked, one=one,
-                     row=row, wt=wt, out=TensorType((N, L), z.dtype), N=N, k=k, L=L)
+                     row=row, wt=wt, out=TensorType((N, L), z.dtype), N=N, k=k, L=L, ranged=ranged)
     return [*slot(sym + "_slot", [row, row, wt, *one]), wrapper]
 
 
-def _group(n_experts: int):
+def _group(n_experts: int, ranged: bool = False):
     def group(z, idx):
         """zs [N, k, L]: the token rows of the (token, slot) pairs in expert order; dest [N, k]: where
-        each pair went; counts and starts [E] of each expert's rows."""
+        each pair went; counts and starts [E] of each expert's rows. ``ranged``: the pairs of an
+        expert outside [0, E) go last, in a bucket E of their own that no expert reads."""
         N, k = idx.shape
         flat = idx.flatten()
-        seen = (flat.unsqueeze(-1) == torch.arange(n_experts)).to(torch.int32).cumsum(0)  # [N*k, E]
+        if ranged:
+            flat = torch.where((flat >= 0) & (flat < n_experts), flat, n_experts)
+        buckets = n_experts + int(ranged)
+        seen = (flat.unsqueeze(-1) == torch.arange(buckets)).to(torch.int32).cumsum(0)  # [N*k, E]
         counts = seen[-1].long()
         starts = counts.cumsum(0) - counts
         dest = starts[flat] + seen.gather(1, flat.unsqueeze(-1)).squeeze(-1) - 1
         src = torch.zeros_like(flat).scatter(0, dest, torch.arange(N * k))
-        return z[src // k].view(N, k, -1), dest.view(N, k), counts, starts
+        return z[src // k].view(N, k, -1), dest.view(N, k), counts[:n_experts], starts[:n_experts]
     return group
 
 
@@ -150,31 +161,36 @@ def _combine(ys, dest, w):
     return (picked * w.unsqueeze(-1)).sum(1)
 
 
-def by_expert(sym: str, ins: list[TensorType], ffn) -> list[str]:
+def by_expert(sym: str, ins: list[TensorType], ffn, ranged: bool = False) -> list[str]:
     """Prefill form of ``func @sym(z [N, L], idx [N, k], w [N, k], *weights [E, ...]) -> [N, L]``, N
     dynamic (templates/mxfp4_moe_by_expert.mlir); ``ffn(rows [R, L], *weight slices [1, ...]) ->
-    [R, L]`` is traced once."""
+    [R, L]`` is traced once. ``ranged``: pairs whose expert is outside [0, E) are skipped."""
     z, idx, w, *weights = ins
     E, k, L = weights[0].shape[0], idx.shape[1], z.shape[1]  # experts map L -> L
     z, idx, w = (t.with_dim(0, "N") for t in (z, idx, w))
     walked = _weights(weights)
     rows, zs3 = TensorType(("R", L), z.dtype), TensorType(("N", k, L), z.dtype)
-    group = trace_to_linalg(_group(E), [z, idx], sym + "_group", int_high=E)
+    group = trace_to_linalg(_group(E, ranged), [z, idx], sym + "_group", int_high=E)
     expert = trace_to_linalg(ffn, [rows, *(m["one"] for m in walked)], sym + "_expert")
     combine = trace_to_linalg(_combine, [zs3, idx, w], sym + "_combine", int_high=1)
     wrapper = render("mxfp4_moe_by_expert.mlir", sym=sym, z=z, idx=idx, w=w, weights=walked, rows=rows,
-                     zs3=zs3, vec=TensorType((E,), torch.int64), k=k, E=E, L=L)
+                     zs3=zs3, vec=TensorType((E,), torch.int64), k=k, E=E, L=L, ranged=ranged)
     return [group, expert, combine, wrapper]
 
 
-def dequantized(sym: str, ins: list[TensorType], consts: list) -> list[str]:
+def dequantized(sym: str, ins: list[TensorType], consts: list, ranged: bool = False) -> list[str]:
     """by_expert for a dynamic token count, by_slot for a static one; the FFN dequantises each
     matrix, then multiplies (every target)."""
     if ins[0].shape[0] is None:
         check(ins, consts, "by_expert")
-        return by_expert(sym, ins, _ffn(*consts))
+        return by_expert(sym, ins, _ffn(*consts), ranged)
     check(ins, consts, "by_slot")
-    return by_slot(sym, ins, traced_slot(_ffn(*consts)))
+    return by_slot(sym, ins, traced_slot(_ffn(*consts)), ranged)
+
+
+def ranged(generate):
+    """``generate`` for one device's share of the experts (module docstring)."""
+    return lambda sym, ins, consts: generate(sym, ins, consts, ranged=True)
 
 
 def _streamed_slot(decode: str, act: str, beta1: float, beta2: float):
@@ -194,11 +210,11 @@ def streamed(decode: str):
     """For llvm-cpu: decode (by_slot) streams the packed weights through mxfp4_gemv (nibble
     ``decode`` "f16" or "int"); prefill as ``dequantized`` (its matmuls over many rows pay for a
     dequantised copy)."""
-    def generate(sym: str, ins: list[TensorType], consts: list) -> list[str]:
+    def generate(sym: str, ins: list[TensorType], consts: list, ranged: bool = False) -> list[str]:
         if ins[0].shape[0] is None:
-            return dequantized(sym, ins, consts)
+            return dequantized(sym, ins, consts, ranged)
         check(ins, consts, "streamed by_slot")
-        return by_slot(sym, ins, _streamed_slot(decode, *consts))
+        return by_slot(sym, ins, _streamed_slot(decode, *consts), ranged)
     return generate
 
 
@@ -207,4 +223,11 @@ MXFP4_MOE = CustomOp("mxfp4_moe", {
     "llvm-cpu": Lowering(streamed("int"),
                          "MXFP4 decode streams the packed weights, 16 lanes per row, i16 nibble decode (no F16C)"),
     "cpu": Lowering(streamed("f16"), "MXFP4 decode streams the packed weights, f16 nibble decode, 16 lanes per row"),
+}, sharded={
+    "default": Lowering(ranged(dequantized), "one device's range of the MXFP4 experts, sliced in place; "
+                                             "pairs of other devices' experts skipped"),
+    "llvm-cpu": Lowering(ranged(streamed("int")), "one device's range of the MXFP4 experts, decode streamed "
+                                                  "(i16 nibble decode); pairs of other devices' experts skipped"),
+    "cpu": Lowering(ranged(streamed("f16")), "one device's range of the MXFP4 experts, decode streamed "
+                                             "(f16 nibble decode); pairs of other devices' experts skipped"),
 })
