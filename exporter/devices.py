@@ -66,8 +66,7 @@ class ShardedMoE(MoE):
         for d, r in enumerate(self.experts.ranges):
             ex = getattr(self.experts, f"d{d}")
             p = [t for n in ("w1", "w3", "w2") for t in (getattr(ex, n).weight_packed, getattr(ex, n).weight_scale)]
-            # the ids are shifted on device d: the lowering reads them on the host, and IREE 3.13 on
-            # local-task reads a transferred buffer before its allocation is committed
+            # the ids are shifted on device d, where the lowering reads them to pick or skip each pair
             args = (upcast(z), idx, w) if d == 0 else (transfer(upcast(z), d), transfer(idx, d) - r.start, transfer(w, d))
             part = mxfp4_moe(*args, *p, cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
             y = part if d == 0 else y + transfer(part, 0)

@@ -1,5 +1,5 @@
 """``k3c bench --only devices`` (README "Past one device"): one expert-heavy model compiled for 1, 2
-and 4 local CPU devices (one thread each), decode and prefill tokens/s timed in the same rounds,
+(and 4 where the host has 4 cores) local CPU devices (one thread each), decode and prefill tokens/s timed in the same rounds,
 reported as ratios to one device; the transfer overhead is timed on its own, by a program that
 makes only the moves of the N-device program (the hidden rows to each device and its partial sum
 back, per MoE layer) with no expert work.
@@ -7,6 +7,7 @@ back, per MoE layer) with no expert work.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from ..model import K3Config
 # are ~90% of a decode step's work (what splitting them can speed up)
 EXPERT_HEAVY = {"num_experts": 32, "num_experts_per_token": 8, "moe_intermediate_size": 512,
                 "routed_expert_hidden_size": 256}
-COUNTS = (1, 2, 4)
+COUNTS = (1, 2, 4) if (os.cpu_count() or 1) >= 4 else (1, 2)   # one thread per device: 4 where cores allow
 CONTEXT, PREFILL_TOKENS = 64, 64
 
 

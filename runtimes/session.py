@@ -49,6 +49,12 @@ def iree_error_line(e: Exception, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+# On the CPU a program over several devices runs its devices on local-sync: under IREE 3.13's
+# local-task such a decode step fails ("transient buffer has not been committed" in
+# hal.device.queue.alloca / dealloca) while prefill runs; local-sync runs both (README "Past one device")
+MULTI_DEVICE_DRIVER = {"local-task": "local-sync"}
+
+
 class Session:
     def __init__(self, bundle: Bundle):
         m = bundle.manifest
@@ -61,7 +67,7 @@ class Session:
             if target.devices == 1:
                 self.config = rt.Config(m.target["driver"])
             else:   # README "Past one device": one HAL module over the N devices, arguments on the first
-                found = open_devices(target.driver, target.devices)
+                found = open_devices(MULTI_DEVICE_DRIVER.get(target.driver, target.driver), target.devices)
                 self.config = rt.Config(device=found[0])
                 self.config.default_vm_modules = (rt.create_hal_module(self.config.vm_instance, devices=found),)
         except (RuntimeError, ValueError) as e:
