@@ -133,11 +133,14 @@ def test_placement_in_stream_ir(misplaced, k3c_cache, tmp_path, monkeypatch):
     """Each device loads only its parameters and every use of a weight is on its device; the same
     check on the program with one device-1 weight pinned to device 0 (a deliberate misplacement)
     must report it."""
+    from k3c.interface import DEFAULT_MAX_PROMPT
     from k3c.interface.build import export_mlir
     from k3c.model import K3Config
     monkeypatch.setenv("K3C_CACHE", str(k3c_cache))
     target = on_devices(parse_target("cpu"), 2)
-    export_mlir(tmp_path / "mlir", K3Config.preset("k3-tiny"), target, max_prompt=128, force=False, log=lambda _: None)
+    # the default max prompt: the export cached by the 2-device compile above serves
+    export_mlir(tmp_path / "mlir", K3Config.preset("k3-tiny"), target, max_prompt=DEFAULT_MAX_PROMPT, force=False,
+                log=lambda _: None)
     lowered = (tmp_path / "mlir" / "lowered.mlir").read_text()
     if misplaced:
         victim = re.search(r"(util\.global private @__param_\w+_experts_d1_w2_weight_packed \{stream\.affinity = "
