@@ -17,6 +17,7 @@ import torch
 from ..compiler.devices import open_devices
 from ..compiler.targets import Target, compile_mlir, on_devices
 from ..model import K3Config
+from ..runtimes.session import MULTI_DEVICE_DRIVER
 
 # k3-tiny's trunk with 32 experts of 512 hidden over a latent of 256, top-8: the routed experts
 # are ~90% of a decode step's work (what splitting them can speed up)
@@ -55,7 +56,7 @@ def time_moves(cfg: K3Config, target: Target, tokens: int, rounds: int) -> float
     from .bench import interleaved
 
     vmfb = compile_mlir(moves_program(cfg, target.devices, tokens), target, log=lambda _: None)
-    found = open_devices(target.driver, target.devices)
+    found = open_devices(MULTI_DEVICE_DRIVER.get(target.driver, target.driver), target.devices)   # as Session
     config = rt.Config(device=found[0])
     config.default_vm_modules = (rt.create_hal_module(config.vm_instance, devices=found),)
     module = rt.VmModule.copy_buffer(config.vm_instance, vmfb)
