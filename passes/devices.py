@@ -8,8 +8,8 @@ exporter/devices.py).
   on two devices would silently move to one and be copied every call (IREE 3.13).
 - The entry points' arguments and results live on device 0 (``iree.abi.affinity``).
 
-IREE then places each computation on the device of its operands; `k3c compile --devices N` checks
-nothing more here: tests/test_devices.py reads the placement back from the stream IR.
+IREE then places each computation on the device of its operands; tests/test_devices.py reads the
+placement back from the stream IR.
 """
 from __future__ import annotations
 
@@ -59,4 +59,3 @@ def place_on_devices(module: ir.Module) -> dict[str, int]:
                 op.attributes["arg_attrs"] = ir.ArrayAttr.get([on0] * len(ftype.inputs))
                 op.attributes["res_attrs"] = ir.ArrayAttr.get([on0] * len(ftype.results))
     return counts
-
