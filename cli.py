@@ -225,6 +225,21 @@ def source_options(f):
     return f
 
 
+DEVICES = click.option("--devices", default=1, show_default=True, type=click.IntRange(min=1),
+                       help="Devices of the target's driver one program runs on: the routed experts split "
+                            "over them, the rest on the first (README, \"Past one device\").")
+
+
+def _target(spec: str, devices: int):
+    """``--target`` over ``--devices`` (a K3Error for a bad one, before any slow import)."""
+    from .compiler.targets import on_devices, parse_target
+    return on_devices(parse_target(spec), devices)
+
+
+def _out_name(name: str, tgt) -> str:
+    return f"{name}-{tgt.name.replace(':', '-')}" + (f"-x{tgt.devices}" if tgt.devices > 1 else "")
+
+
 def one_source(preset, checkpoint):
     if preset and checkpoint:
         raise K3Error("give either --preset or --checkpoint, not both")
@@ -242,8 +257,9 @@ def one_source(preset, checkpoint):
 @click.option("--config", "config_dir", type=click.Path(), default=None,
               help="Export for the config.json in this directory (no weights needed).")
 @click.option("--target", default="cpu", show_default=True, help="Whose passes lowered.mlir shows (--format mlir).")
+@DEVICES
 @FORCE
-def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir, config_dir, target, force):
+def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir, config_dir, target, devices, force):
     """Export prefill/decode: to torch-dialect MLIR, running the passes (--format mlir), or to ONNX with
     the weights as external data in the checkpoint written beside the models (--format onnx)."""
     preset, checkpoint = one_source(preset, checkpoint)
@@ -255,12 +271,13 @@ def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir, config_
     from .utils.files import check_output
     check_output(out, force=force, inputs=(checkpoint,))
     if fmt == "onnx":
+        if devices > 1:
+            raise K3Error("export: --devices takes --format mlir (the ONNX programs run on one device)")
         from .exporter.onnx_export import export_onnx
         export_onnx(Path(out), preset=preset, checkpoint=Path(checkpoint) if checkpoint else None, seed=seed,
                     max_prompt=max_prompt, log=log)
         return
-    from .compiler.targets import parse_target
-    tgt = parse_target(target)
+    tgt = _target(target, devices)
     from .artifacts.bundle import stored_dtypes
     from .interface.build import export_mlir
     cfg = load_config(None if config_dir else preset, config_dir or checkpoint)
@@ -282,8 +299,10 @@ def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir, config_
               help="Write the module and manifest only: no checkpoint, packed weights or reference outputs "
                    "(built from shapes on the meta device; the way to compile the full k3). k3c attach "
                    "gives it the weights of any checkpoint of that config.")
+@DEVICES
 @FORCE
-def compile_cmd(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, config_dir, no_weights, force):
+def compile_cmd(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, config_dir, no_weights, devices,
+                force):
     """Compile a checkpoint or preset for a target; writes a bundle (manifest, module, packed weights,
     checkpoint, reference.npz). The model is compiled from shapes and the weights packed one tensor at
     a time, so a checkpoint larger than memory compiles too (without reference outputs). The default
@@ -291,18 +310,17 @@ def compile_cmd(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, 
     if no_weights or config_dir:
         if onnx_dir or not no_weights:
             raise K3Error("compile: --config takes --no-weights (a config has no weights), and --onnx does not")
-        from .compiler.targets import parse_target
-        tgt = parse_target(target)
+        tgt = _target(target, devices)
         from .interface.build import build_module_only
         cfg = load_config(None if config_dir else preset, config_dir or checkpoint)
         name = Path(config_dir or checkpoint or "").name or preset or "k3-tiny"
-        out = Path(output) if output else Path("out") / f"{name}-{tgt.name.replace(':', '-')}-module"
+        out = Path(output) if output else Path("out") / f"{_out_name(name, tgt)}-module"
         with spinner("compile: current step"):
             click.echo(str(build_module_only(out, cfg, tgt, max_prompt=max_prompt, force=force or not output,
                                              log=log)))
         return
     with spinner("compile: current step"):
-        bundle = _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, force)
+        bundle = _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, force, devices)
     click.echo(str(bundle.root))
 
 
@@ -342,17 +360,18 @@ def pack(checkpoint, output):
     pack_archive(checkpoint_dir(checkpoint), Path(output), log=log)
 
 
-def _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir=None, force=False):
-    from .compiler.targets import parse_target
+def _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir=None, force=False, devices=1):
     if onnx_dir and (preset or checkpoint):
         raise K3Error("compile: --onnx brings its own weights; drop --preset/--checkpoint")
+    if onnx_dir and devices > 1:
+        raise K3Error("compile: --devices takes --preset or --checkpoint (an ONNX program runs on one device)")
     preset, checkpoint = (None, None) if onnx_dir else one_source(preset, checkpoint)
-    tgt = parse_target(target)  # before the slow imports below: a bad --target fails at once
+    tgt = _target(target, devices)  # before the slow imports below: a bad --target fails at once
     from .interface.build import build_bundle, build_bundle_from_onnx
     if tgt.note:
         log(f"warning: {tgt.note}")
     name = Path(onnx_dir).name if onnx_dir else preset or Path(checkpoint).name
-    out = Path(output) if output else Path("out") / f"{name}-{tgt.name.replace(':', '-')}"
+    out = Path(output) if output else Path("out") / _out_name(name, tgt)
     force = force or not output  # k3c's own default location
     if onnx_dir:
         return build_bundle_from_onnx(out, tgt, Path(onnx_dir), force=force, log=log)

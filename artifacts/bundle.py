@@ -331,7 +331,7 @@ def check_checkpoint_parameters(bundle: Bundle, config) -> None:
     m, ck = bundle.manifest, bundle.checkpoint_dir
     if m.weights:
         _, ckpt = open_checked(ck)
-        problem = first_table_difference(m.parameters, checkpoint_table(config, ckpt))
+        problem = first_table_difference(m.parameters, checkpoint_table(config, ckpt, m.target.get("devices", 1)))
     else:
         stored = {k: [str(TORCH_DTYPES[d]).removeprefix("torch."), list(s)]
                   for f in bundle.parameter_files for k, (d, s) in read_header(f).items()}

@@ -33,7 +33,8 @@ import torch
 from ..errors import K3Error
 from ..model.checkpoint import TORCH_DTYPES, Checkpoint, open_checked, read_entries
 from ..model.config import K3Config
-from ..model.stacking import EXPERT, place, program_name
+from ..model.placement import expert_ranges
+from ..model.stacking import EXPERT, place, program_name, shard_name
 from ..utils.files import hash_dir, sha256_file
 
 META = "k3c.archive"        # the archive's own description (module docstring)
@@ -53,13 +54,18 @@ class Packed:
     seconds: float
 
 
-def program_members(cfg: K3Config, ckpt: Checkpoint) -> dict[str, list[str]]:
-    """Program parameter -> the checkpoint tensors it stacks, layer-major then expert-major."""
+def program_members(cfg: K3Config, ckpt: Checkpoint, devices: int = 1) -> dict[str, list[str]]:
+    """Program parameter -> the checkpoint tensors it stacks, layer-major then expert-major. For a
+    program over several ``devices`` each device's range of the experts is a parameter of its own
+    (model/stacking.py ``shard_name``)."""
     places = place(cfg)
+    device_of = {e: d for d, r in enumerate(expert_ranges(cfg.num_experts, devices)) for e in r}
     members: dict[str, list[tuple[int, int, str]]] = {}
     for name in ckpt.entries:
         m = EXPERT.fullmatch(name)
         program, index = program_name(places, f"{m['head']}.{m['tail']}" if m else name)
+        if m and devices > 1:
+            program = shard_name(program, device_of[int(m["e"])])
         members.setdefault(program, []).append((index or 0, int(m["e"]) if m else 0, name))
     return {p: [name for *_, name in sorted(v)] for p, v in sorted(members.items())}
 
@@ -73,11 +79,12 @@ def _stacked_shape(ckpt: Checkpoint, program: str, names: list[str]) -> tuple[in
     return (layers, experts, *first.shape) if EXPERT.fullmatch(names[0]) else (layers, *first.shape)
 
 
-def checkpoint_table(cfg: K3Config, ckpt: Checkpoint) -> ParameterTable:
-    """The program parameters a checkpoint packs into, from its headers: the tensors stacked into
-    one parameter must share a stored dtype (else a K3Error naming the one that differs)."""
+def checkpoint_table(cfg: K3Config, ckpt: Checkpoint, devices: int = 1) -> ParameterTable:
+    """The program parameters a checkpoint packs into (for a program over ``devices`` devices), from
+    its headers: the tensors stacked into one parameter must share a stored dtype (else a K3Error
+    naming the one that differs)."""
     table = {}
-    for program, names in program_members(cfg, ckpt).items():
+    for program, names in program_members(cfg, ckpt, devices).items():
         dtypes = {ckpt.entries[n].dtype for n in names}
         if len(dtypes) > 1:
             first = ckpt.entries[names[0]].dtype
@@ -90,15 +97,17 @@ def checkpoint_table(cfg: K3Config, ckpt: Checkpoint) -> ParameterTable:
     return table
 
 
-def pack(checkpoint: Path, out: Path, *, checkpoint_hash: str | None = None, log=print) -> Packed:
-    """Write the archive for the checkpoint at ``checkpoint`` to ``out`` (atomically);
-    ``checkpoint_hash`` (utils.files.hash_dir of it) when the caller has it already."""
+def pack(checkpoint: Path, out: Path, *, checkpoint_hash: str | None = None, devices: int = 1,
+         log=print) -> Packed:
+    """Write the archive for the checkpoint at ``checkpoint`` to ``out`` (atomically), in the layout
+    of a program over ``devices`` devices; ``checkpoint_hash`` (utils.files.hash_dir of it) when the
+    caller has it already."""
     import iree.runtime as rt  # deferred heavy import (~1.5 s): only packing writes an archive
 
     t0 = time.perf_counter()
     model, ckpt = open_checked(checkpoint)
     cfg = model.cfg
-    members, table = program_members(cfg, ckpt), checkpoint_table(cfg, ckpt)
+    members, table = program_members(cfg, ckpt, devices), checkpoint_table(cfg, ckpt, devices)
     meta = json.dumps({"format": FORMAT, "config": cfg.to_dict(), "config_hash": cfg.hash,
                        "checkpoint_hash": checkpoint_hash or hash_dir(ckpt.directory)}, sort_keys=True)
     out = Path(out)

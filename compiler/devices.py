@@ -26,6 +26,16 @@ def devices(driver: str) -> tuple[str, ...]:
     return tuple(d["name"] for d in found)
 
 
+def open_devices(driver: str, n: int) -> list:
+    """``n`` distinct devices of ``driver``, in program order (``@__device_0`` first): the driver's
+    first ``n`` devices, or for a CPU driver ``n`` local devices (``create_default_device`` makes a
+    new one each call; ``rt.get_device`` would return one cached device ``n`` times)."""
+    d = rt.get_driver(driver)
+    if driver.startswith("local"):
+        return [d.create_default_device() for _ in range(n)]
+    return [d.create_device(info["device_id"]) for info in d.query_available_devices()[:n]]
+
+
 def vulkan_profile(name: str) -> str | None:
     """The ``--iree-vulkan-target`` profile for a Vulkan device name, or None if none is known."""
     return next((profile for word, profile in VULKAN_PROFILE_OF_NAME if word in name), None)
@@ -45,11 +55,15 @@ def detect_vulkan_profile() -> str:
 
 def check_device(target) -> None:
     """Refuse, with K3Error, to run a module compiled for ``target`` (a compiler.targets.Target)
-    where its driver has no device, or where the Vulkan device a session opens (the driver's first)
-    is not of the target's profile."""
+    where its driver has no device or fewer than the target's ``devices`` (a CPU driver makes any
+    number of local devices), or where the Vulkan device a session opens (the driver's first) is not
+    of the target's profile."""
     found = devices(target.driver)
     if not found:
         raise K3Error(f"device: no {target.driver} device here to run a {target.name} bundle")
+    if target.devices > len(found) and not target.driver.startswith("local"):
+        raise K3Error(f"device: the bundle runs on {target.devices} {target.driver} devices and this host has "
+                      f"{len(found)}; compile it with --devices {len(found)}")
     if target.driver == "vulkan":
         here = vulkan_profile(found[0])
         if target.name != f"vulkan:{here}":

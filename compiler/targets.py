@@ -18,7 +18,7 @@ import subprocess
 import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 
 from ..errors import K3Error
@@ -36,14 +36,41 @@ class Target:
     driver: str      # IREE runtime driver
     flags: tuple[str, ...]
     note: str = ""   # a warning worth printing when this target is chosen
+    devices: int = 1  # devices of the driver one program runs on (routed experts split over them)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "flags": list(self.flags)}
+        """The target as the manifest and the cache keys hold it (``devices`` only when above one,
+        so a one-device target reads as it always did)."""
+        d = {**asdict(self), "flags": list(self.flags)}
+        if self.devices == 1:
+            del d["devices"]
+        return d
 
 
 def _local(cpu: str) -> tuple[str, ...]:
     return ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
             f"--iree-llvmcpu-target-cpu={cpu}")
+
+
+# extra iree-compile flags of a program over several devices: const-expr hoisting would evaluate
+# expressions of the pinned parameters at load time without their placement (IREE 3.13)
+MULTI_DEVICE_FLAGS = ("--iree-opt-const-expr-hoisting=false",)
+
+
+def on_devices(target: Target, n: int) -> Target:
+    """``target`` over ``n`` devices of its driver: one ``--iree-hal-target-device=<kind>[i]`` per
+    device (``@__device_i`` in the program), README "Past one device"."""
+    if n < 1:
+        raise K3Error(f"target: --devices must be at least 1, got {n}")
+    if n == 1:
+        return target
+    if target.driver == "vulkan":
+        raise K3Error("target: --devices takes cpu, cuda or rocm targets; vulkan runs on one device")
+    device = next(f for f in target.flags if f.startswith("--iree-hal-target-device="))
+    kind = device.split("=", 1)[1]
+    flags = [f for f in target.flags if f != device]
+    return replace(target, devices=n, flags=(*(f"--iree-hal-target-device={kind}[{i}]" for i in range(n)),
+                                            *flags, *MULTI_DEVICE_FLAGS))
 
 
 def parse_target(spec: str) -> Target:

@@ -36,9 +36,10 @@ from ..errors import K3Error
 from ..model import K3Model
 from ..model.attnres import attn_res
 from ..model.norms import upcast
-from ..model.stacking import layer_groups, layer_runs, place, program_dtypes
+from ..model.stacking import LayerRun, layer_groups, layer_runs, place, program_dtypes
 from ..ops.base import TensorType
 from ..utils.quiet import leafspec_deprecation_silenced
+from .devices import shard_experts
 from .layers import BODIES, RUNS, LayerBody, RunBody
 from .parameters import declare_parameter, load_parameter
 
@@ -63,9 +64,11 @@ class Program(nn.Module):
     ``layer_runs``: a run that repeats is one ``k3x.layer_loop`` over its ``RunBody``, a single layer
     is its RunBody called once), the output AttnRes, norm and lm_head. ``mode``: "prefill" starts a
     sequence, "extend" continues one by a prompt piece, "decode" feeds one token. Only the tensors
-    outside the layers are its own (named as in the checkpoint)."""
+    outside the layers are its own (named as in the checkpoint). Over several ``devices`` every layer
+    is a run of its own (no loop: IREE 3.13's iree-stream-elide-timepoints fails on a loop whose body
+    moves tensors between devices)."""
 
-    def __init__(self, model: K3Model, mode: str):
+    def __init__(self, model: K3Model, mode: str, devices: int = 1):
         super().__init__()
         cfg = self.cfg = model.cfg
         self.mode, self.slots, self.places = mode, model.slots, place(cfg)
@@ -79,7 +82,8 @@ class Program(nn.Module):
         self.slots_of = {k: cfg.layer_kinds.count(k) for k in self.kinds}
         self.rows = sum(map(cfg.closes_block, range(cfg.num_hidden_layers))) + 1
         self.runs = {}
-        for i, run in enumerate(layer_runs(cfg)):
+        runs = layer_runs(cfg) if devices == 1 else [LayerRun(i, 1, 1) for i in range(cfg.num_hidden_layers)]
+        for i, run in enumerate(runs):
             key = f"{mode}.{i}"
             self.runs[key] = RUNS[key] = RunBody(self, run, key)
 
@@ -228,17 +232,20 @@ def _export(module: nn.Module, args: tuple, dynamic: tuple, what: str, timings: 
 
 
 def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None, *, batch: int = 1,
-                   max_prompt: int = 128, log=print):
+                   max_prompt: int = 128, devices: int = 1, log=print):
     """torch.export of the entry points (``Program``: prefill T in [1, max_prompt], extend T and the
     MLA cache length L dynamic, decode L dynamic) and of one body per layer group and form
     (exporter/layers.py), and of one iteration of each repeating layer run (``RunBody``).
     Returns ({entry: program}, {body key: (program, LayerBody)}, {run key: program}, timings).
-    The model may live on the meta device: nothing here reads a weight."""
+    The model may live on the meta device: nothing here reads a weight. Over several ``devices`` the
+    routed experts are split (exporter/devices.py)."""
     cfg = model.cfg
     if max_prompt < 2 or max_prompt >= cfg.max_position_embeddings:
         raise K3Error(f"export: max_prompt {max_prompt} must lie in [2, {cfg.max_position_embeddings})")
     with torch.device("meta"):   # export reads no weight: a model of the same config on meta serves
         model = K3Model(cfg).to(model.dtype).eval()
+    if devices > 1:
+        shard_experts(model, devices)
     timings: dict[str, float] = {}
     T = Dim("T", min=1, max=max_prompt)
     L = Dim("L", min=1, max=cfg.max_position_embeddings - 1)
@@ -249,7 +256,7 @@ def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None,
     programs, bodies, runs = {}, {}, {}
     with torch.no_grad():
         # bodies first: the entry points' placeholders run them when traced
-        rows = Program(model, "prefill").rows
+        rows = Program(model, "prefill", devices).rows
         for key, body in register_bodies(model, stored).items():
             decode = BODY_FORMS[key.rsplit(".", 1)[1]][0]
             E = torch.zeros(rows, batch, 1 if decode else 2, cfg.hidden_size, dtype=model.dtype, device="meta")
@@ -265,7 +272,7 @@ def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None,
         inputs = {"prefill": (tokens,), "extend": (tokens, *state), "decode": (tokens[:, :1], *state)}
         dims = {"prefill": ({1: T},), "extend": ({1: T}, state_dims), "decode": (None, state_dims)}
         for mode in ENTRY_POINTS:
-            program = Program(model, mode)
+            program = Program(model, mode, devices)
             programs[mode] = _export(program, inputs[mode], dims[mode], mode, timings, log)
             for key, run in program.runs.items():
                 if run.run.count > 1:
@@ -351,13 +358,15 @@ def trace_entry_points(model: K3Model, *, batch: int = 1, max_prompt: int = 128,
 
 
 def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch: int = 1,
-                 max_prompt: int = 128, log=print) -> ExportedModule:
+                 max_prompt: int = 128, devices: int = 1, log=print) -> ExportedModule:
     """Export the entry points and layer bodies of ``model`` (its compute dtype; weights real or on
     the meta device) into one torch-dialect module whose parameters are the program's (model/stacking.py),
-    read at their stored dtypes (``stored_dtypes``: checkpoint tensor name -> dtype on disk)."""
+    read at their stored dtypes (``stored_dtypes``: checkpoint tensor name -> dtype on disk), for a
+    program over ``devices`` devices (the routed experts split: exporter/devices.py)."""
     cfg = model.cfg
     stored = program_dtypes(cfg, stored_dtypes)
-    programs, bodies, runs, timings = trace_programs(model, stored, batch=batch, max_prompt=max_prompt, log=log)
+    programs, bodies, runs, timings = trace_programs(model, stored, batch=batch, max_prompt=max_prompt,
+                                                     devices=devices, log=log)
     with torch.no_grad():
         t0 = time.perf_counter()
         table = get_decomposition_table()
@@ -382,7 +391,7 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         for key, program in runs.items():
             importer.import_program(program, func_name=run_function(key), func_visibility="private")
         for name, program in programs.items():
-            hooks.names = {n: n for n, _ in Program(model, name).named_parameters()}
+            hooks.names = {n: n for n, _ in Program(model, name, devices).named_parameters()}
             importer.import_program(program, func_name=name)
     meta_devices_to_cpu(importer.module)
     importer.module.operation.verify()

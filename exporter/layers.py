@@ -26,6 +26,7 @@ from ..model import K3Model
 from ..model.attnres import score
 from ..model.norms import upcast
 from ..model.stacking import LayerGroup, stacked_name
+from .devices import device_of, transfer
 
 BODIES: dict[str, "LayerBody"] = {}  # body key -> body; the placeholders' eager kernels run these
 RUNS: dict[str, "RunBody"] = {}      # run key -> one iteration of a layer run (k3x.layer_loop runs it)
@@ -155,9 +156,15 @@ class LayerBody(nn.Module):
         return {f"w{i}": stacked_name(self.group.name, name) for i, name in enumerate(self.names)}
 
     def forward(self, E, at, *state):
-        weights = {f"layer.{name}": getattr(self, f"w{i}").index_select(0, at[2:]).squeeze(0).to(dtype)
+        weights = {f"layer.{name}": self.layer_slice(i, name, at).squeeze(0).to(dtype)
                    for i, (name, dtype) in enumerate(zip(self.names, self.dtypes))}
         return torch.func.functional_call(self.template, weights, (E, at, *state), strict=True)
+
+    def layer_slice(self, i: int, name: str, at: Tensor) -> Tensor:
+        """Layer j = at[2] of stacked buffer ``w{i}``, sliced on the device that holds it (a device's
+        experts, exporter/devices.py: the index is sent there, so the weights never move)."""
+        device, j = device_of(name), at[2:]
+        return getattr(self, f"w{i}").index_select(0, transfer(j, device) if device else j)
 
 
 def _index(t: Tensor, size: int):

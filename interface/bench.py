@@ -52,6 +52,7 @@ from ..passes.pipeline import Pipeline
 from ..runtimes.readback import to_device
 from ..runtimes.session import Session
 from . import bench_ops
+from .bench_devices import bench_devices
 from .bench_report import SECTIONS
 from ..compiler.targets import Target, parse_target
 
@@ -452,6 +453,8 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
                                      sizes.rounds, log)
         elif name == "compile":
             out[name] = bench_compile(cfg, sizes, tgt, work, log)
+        elif name == "devices":
+            out[name] = bench_devices(K3Config.preset("k3-tiny"), work, tgt, 128, sizes.rounds, log)
         out[name]["seconds"] = time.perf_counter() - t0
         log(f"bench {name} done in {out[name]['seconds']:.0f} s")
     result["machine"]["load_average_end"] = os.getloadavg()[0]

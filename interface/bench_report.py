@@ -7,7 +7,7 @@ from pathlib import Path
 from ..utils.files import write_atomic
 
 # the sections of ``k3c bench``, in the order they run and are reported (runtimes/bench.py)
-SECTIONS = ("decode", "prefill", "layers", "kda", "moe", "hybrid", "compile")
+SECTIONS = ("decode", "prefill", "layers", "kda", "moe", "hybrid", "compile", "devices")
 PART_NAMES = {"kda": "KDA", "mla": "MLA", "moe": "MoE"}
 
 
@@ -56,6 +56,11 @@ def targets(sections: dict) -> list[dict]:
         rows.append({"figure": f"hybrid vs all-MLA decode advantage at {ctx}", "value": adv,
                      "measured": ", ".join(f"{a:.2f}x" for a in adv), "target": "grows with context",
                      "met": all(b > a for a, b in zip(adv, adv[1:]))})
+    if "devices" in sections:
+        for r in sections["devices"]["rows"][1:]:
+            rows.append(_row(f"decode on {r['devices']} local devices vs one (expert-heavy)", r["decode_vs_one"],
+                             ">= 1.5x" if r["devices"] == 2 else "> 1x",
+                             r["decode_vs_one"] >= (1.5 if r["devices"] == 2 else 1)))
     if "compile" in sections:
         c = sections["compile"]
         for r in c["ratios"]:
@@ -176,6 +181,12 @@ def plot(result: dict, out: Path) -> None:
             ax2.plot(x, [r["peak_MiB"] for r in rows], "s--", color="C2", label="peak MiB")
             ax2.set_ylabel("peak MiB")
             ax.set(xlabel="layers", ylabel="s", title="iree-compile")
+        elif name == "devices":
+            x = [str(r["devices"]) for r in rows]
+            ax.bar([i - 0.2 for i in range(len(x))], [r["decode_vs_one"] for r in rows], 0.4, label="decode")
+            ax.bar([i + 0.2 for i in range(len(x))], [r["prefill_vs_one"] for r in rows], 0.4, label="prefill")
+            ax.set(xticks=range(len(x)), xticklabels=x, xlabel="local devices", ylabel="tokens/s vs one device",
+                   title="experts split over devices")
         if ax.get_xscale() == "log":  # label the measured points, not the decades
             ax.set_xticks(x, [str(v) for v in x], rotation=45)
             ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())

@@ -78,17 +78,20 @@ def cache_key(**parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def export_cached(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt: int, batch: int = 1, log=print):
+def export_cached(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt: int, batch: int = 1,
+                  devices: int = 1, log=print):
     """The torch-dialect module (before passes) and its entry points, from the cache when the config,
-    dtypes, shapes, k3c sources and package versions match; exported (and cached) otherwise."""
+    dtypes, shapes, device count, k3c sources and package versions match; exported (and cached)
+    otherwise."""
     cached = cache_dir() / "export" / cache_key(
         config=model.cfg.hash, dtypes={k: str(v) for k, v in sorted(dtypes.items())}, max_prompt=max_prompt,
-        batch=batch, source=source_hash(EXPORT_SOURCES), versions=package_versions())
+        batch=batch, source=source_hash(EXPORT_SOURCES), versions=package_versions(),
+        **({"devices": devices} if devices > 1 else {}))
     if verified_entry(cached, ("torch.mlir", "entry_points.json"), log):
         log(f"exported module found in cache ({cached})")
         module = ir.Module.parse((cached / "torch.mlir").read_text(), context=ir.Context())
         return module, json.loads((cached / "entry_points.json").read_text())
-    exported = export_model(model, dtypes, batch=batch, max_prompt=max_prompt, log=log)
+    exported = export_model(model, dtypes, batch=batch, max_prompt=max_prompt, devices=devices, log=log)
     with atomic_dir(cached) as tmp:
         (tmp / "torch.mlir").write_text(exported.text)
         (tmp / "entry_points.json").write_text(json.dumps(exported.entry_points))
@@ -109,7 +112,8 @@ def compile_model(model: K3Model, dtypes: dict[str, torch.dtype], target: Target
         log(f"compiled module found in cache ({cached})")
         return Compiled(*(f.read_bytes() if f.suffix == ".vmfb" else json.loads(f.read_text())
                           for f in (cached / name for name in files)), key)
-    module, entry_points = export_cached(model, dtypes, max_prompt=max_prompt, batch=batch, log=log)
+    module, entry_points = export_cached(model, dtypes, max_prompt=max_prompt, batch=batch,
+                                         devices=target.devices, log=log)
     Pipeline.for_target(target).run(module, log=log)
     parameters = module_parameters(module)
     stamp(module, module_facts(model.cfg.hash, parameters, target.to_dict(), max_prompt, batch))
@@ -215,8 +219,8 @@ def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkp
         else:
             ck_dir, ck_ref = checkpoint, str(checkpoint)
         model, ckpt = open_checked(ck_dir)          # headers only; the model is on the meta device
-        table, ck_hash = checkpoint_table(model.cfg, ckpt), hash_dir(ck_dir)
-        pack(ck_dir, tmp / ARCHIVE, checkpoint_hash=ck_hash, log=log)  # reads every tensor: bad data fails first
+        table, ck_hash = checkpoint_table(model.cfg, ckpt, target.devices), hash_dir(ck_dir)
+        pack(ck_dir, tmp / ARCHIVE, checkpoint_hash=ck_hash, devices=target.devices, log=log)  # reads every tensor: bad data fails first
         carry_tokenizer(tmp / "tokenizer", None if preset is not None else ck_dir, model.cfg.vocab_size, log)
         dtypes = {name: TORCH_DTYPES[e.dtype] for name, e in ckpt.entries.items()}
         compiled = compile_model(model.eval(), dtypes, target, max_prompt=max_prompt, log=log)
@@ -257,7 +261,8 @@ def attach_weights(module_dir: Path, checkpoint: Path, out: Path | None = None, 
         raise K3Error(f"attach: {module_dir} was compiled for config {m.config_hash}, checkpoint {ck_dir} has "
                       f"config {cfg.hash} ({key}: {ours} vs {theirs})")
     _, ckpt = open_checked(ck_dir)
-    if problem := first_table_difference(m.parameters, checkpoint_table(cfg, ckpt)):
+    devices = m.target.get("devices", 1)
+    if problem := first_table_difference(m.parameters, checkpoint_table(cfg, ckpt, devices)):
         raise K3Error(f"attach: {module_dir} was compiled for other parameters: checkpoint {ck_dir} {problem}")
     archive = None if weights is None else read_archive(weights)
     out = check_output(out, force=force, inputs=(ck_dir, module.root, weights))
@@ -267,7 +272,7 @@ def attach_weights(module_dir: Path, checkpoint: Path, out: Path | None = None, 
         verify_archive(archive, log)
     with atomic_dir(out, force=force) as tmp:
         if archive is None:
-            pack(ck_dir, tmp / ARCHIVE, checkpoint_hash=manifest.checkpoint_hash, log=log)
+            pack(ck_dir, tmp / ARCHIVE, checkpoint_hash=manifest.checkpoint_hash, devices=devices, log=log)
         else:
             manifest.weights, manifest.weights_digest = str(archive.path.resolve()), archive.digest
         carry_tokenizer(tmp / "tokenizer", ck_dir, cfg.vocab_size, log)
@@ -295,7 +300,8 @@ def export_mlir(out: Path, cfg: K3Config, target: Target, *, dtypes: dict[str, t
     iree-compile gets), from shapes only: the model is built on the meta device."""
     check_output(out, force=force)
     peak0, t0 = _peak_rss(), time.perf_counter()
-    module, _ = export_cached(meta_model(cfg), dtypes or published_dtypes(cfg), max_prompt=max_prompt, log=log)
+    module, _ = export_cached(meta_model(cfg), dtypes or published_dtypes(cfg), max_prompt=max_prompt,
+                              devices=target.devices, log=log)
     before = str(module)
     Pipeline.for_target(target).run(module, log=log)
     with atomic_dir(out, force=force) as tmp:

@@ -87,6 +87,12 @@ def stacked_name(group: str, name: str) -> str:
     return f"layers.{group}.{name}"
 
 
+def shard_name(name: str, device: int) -> str:
+    """The program parameter of ``device``'s range of the routed experts in a program over several
+    devices (README "Past one device"): ``...experts.w1.weight_packed`` -> ``...experts.d1.w1.weight_packed``."""
+    return name.replace(".experts.", f".experts.d{device}.", 1)
+
+
 def program_name(places: list[tuple[str, int]], module_name: str) -> tuple[str, int | None]:
     """A K3Model tensor name -> (the program's parameter name, the layer's index in its group, or
     None for a tensor outside the layers); ``places`` is ``place(cfg)``."""

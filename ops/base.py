@@ -8,7 +8,7 @@ target and calls it on every instance of the op.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -128,6 +128,8 @@ class CustomOp:
     target's name wins over its backend, the backend over the default."""
     name: str
     lowerings: dict[str, Lowering]
+    # lowerings for a program over several devices (same keys), where they differ (README "Past one device")
+    sharded: dict[str, Lowering] = field(default_factory=dict)
 
     @property
     def mlir_name(self) -> str:
@@ -135,10 +137,14 @@ class CustomOp:
         return f"torch.{NAMESPACE}.{self.name}"
 
     def lowering(self, target=None) -> Lowering:
-        """The lowering for ``target`` (a compiler.targets.Target; None: the default)."""
-        for key in ((target.name, target.backend) if target is not None else ()):
-            if key in self.lowerings:
-                return self.lowerings[key]
+        """The lowering for ``target`` (a compiler.targets.Target; None: the default); on a target
+        of several devices, from ``sharded`` first."""
+        keys = (target.name, target.backend) if target is not None else ()
+        tables = (self.sharded, self.lowerings) if getattr(target, "devices", 1) > 1 else (self.lowerings,)
+        for table in tables:
+            for key in (*keys, "default"):
+                if key in table:
+                    return table[key]
         return self.lowerings["default"]
 
 

@@ -21,6 +21,12 @@ decode step reads each picked matrix once, 0.53 bytes per weight. On ``cpu`` the
 ``tiled_expert``: each matrix dequantised once per expert by integer ops into the layout of a
 16x16 ``linalg.mmt4d`` (templates/mxfp4_expert_tiled.mlir), which IREE runs ~2x faster than its
 default matmul of a dynamic row count.
+
+A pair (token, slot) whose expert lies outside [0, E) adds nothing: on a program over several
+devices each device holds a contiguous range of the experts and gets the pairs with their expert
+ids shifted by the range's start (exporter/devices.py). The ``ranged`` lowerings (``SHARDED``)
+skip those pairs, so a device does no expert work for a token routed elsewhere; the one-device
+lowerings take every id in range (the router's picks).
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ def mxfp4_moe(z: Tensor, idx: Tensor, w: Tensor,
     """y [N, L] in z's dtype (float64 in the double-precision reference). Reference: for each
     expert that was picked, dequantise it and run its tokens."""
     y = z.new_zeros(z.shape[0], w2_packed.shape[1])
-    for e in idx.unique().tolist():
+    for e in [e for e in idx.unique().tolist() if 0 <= e < w1_packed.shape[0]]:
         token, slot = (idx == e).nonzero(as_tuple=True)
         W1 = mxfp4.dequantize(w1_packed[e], w1_scale[e], z.dtype)
         W3 = mxfp4.dequantize(w3_packed[e], w3_scale[e], z.dtype)
@@ -116,28 +122,33 @@ def traced_slot(ffn):
     return slot
 
 
-def by_slot(sym: str, ins: list[TensorType], slot) -> list[str]:
+def by_slot(sym: str, ins: list[TensorType], slot, ranged: bool = False) -> list[str]:
     """Decode form of ``func @sym(z [N, L], idx [N, k], w [N, k], *weights [E, ...]) -> [N, L]``
     (templates/mxfp4_moe_by_slot.mlir); ``slot(name, types)`` gives the texts defining ``func
     @name(a [1, L], rows [1, L], ws [1, 1], *weight slices [1, ...]) -> a + ws * FFN(rows)`` (e.g.
-    ``traced_slot(ffn)``). The weights may be of any kind the slot takes (the bench passes bf16)."""
+    ``traced_slot(ffn)``). The weights may be of any kind the slot takes (the bench passes bf16).
+    ``ranged``: pairs whose expert is outside [0, E) are skipped (module docstring)."""
     z, idx, w, *weights = ins
     N, k, L = z.shape[0], idx.shape[1], z.shape[1]  # experts map L -> L
     row, wt = TensorType((1, L), z.dtype), TensorType((1, 1), w.dtype)
     walked = _weights(weights)
     one = [m["one"] for m in walked]
     wrapper = render("mxfp4_moe_by_slot.mlir", sym=sym, z=z, idx=idx, w=w, weights=walked, one=one,
-                     row=row, wt=wt, out=TensorType((N, L), z.dtype), N=N, k=k, L=L)
+                     row=row, wt=wt, out=TensorType((N, L), z.dtype), N=N, k=k, L=L, ranged=ranged)
     return [*slot(sym + "_slot", [row, row, wt, *one]), wrapper]
 
 
-def _group(n_experts: int):
+def _group(n_experts: int, ranged: bool = False):
     def group(z, idx):
         """zs [N, k, L]: the token rows of the (token, slot) pairs in expert order; dest [N, k]: where
-        each pair went; counts and starts [E] of each expert's rows."""
+        each pair went; counts and starts [E] of each expert's rows. ``ranged``: the pairs of an
+        expert outside [0, E) go last, in a bucket E of their own that no expert reads."""
         N, k = idx.shape
         flat = idx.flatten()
-        seen = (flat.unsqueeze(-1) == torch.arange(n_experts)).to(torch.int32).cumsum(0)  # [N*k, E]
+        if ranged:
+            flat = torch.where((flat >= 0) & (flat < n_experts), flat, n_experts)
+        buckets = n_experts + int(ranged)
+        seen = (flat.unsqueeze(-1) == torch.arange(buckets)).to(torch.int32).cumsum(0)  # [N*k, E]
         counts = seen[-1].long()
         starts = counts.cumsum(0) - counts
         dest = starts[flat] + seen.gather(1, flat.unsqueeze(-1)).squeeze(-1) - 1
@@ -145,7 +156,7 @@ def _group(n_experts: int):
         # division is a float64 floor per gathered element
         token = torch.arange(N).unsqueeze(-1).expand(N, k).flatten()
         src = torch.zeros_like(flat).scatter(0, dest, token)
-        return z[src].view(N, k, -1), dest.view(N, k), counts, starts
+        return z[src].view(N, k, -1), dest.view(N, k), counts[:n_experts], starts[:n_experts]
     return group
 
 
@@ -178,31 +189,37 @@ def tiled_expert(act: str, beta1: float, beta2: float):
     return expert
 
 
-def by_expert(sym: str, ins: list[TensorType], expert) -> list[str]:
+def by_expert(sym: str, ins: list[TensorType], expert, ranged: bool = False) -> list[str]:
     """Prefill form of ``func @sym(z [N, L], idx [N, k], w [N, k], *weights [E, ...]) -> [N, L]``, N
     dynamic (templates/mxfp4_moe_by_expert.mlir); ``expert(name, types)`` gives the texts defining
-    ``func @name(rows [R, L], *weight slices [1, ...]) -> [R, L]`` (e.g. ``traced_expert(ffn)``)."""
+    ``func @name(rows [R, L], *weight slices [1, ...]) -> [R, L]`` (e.g. ``traced_expert(ffn)``).
+    ``ranged``: pairs whose expert is outside [0, E) are skipped."""
     z, idx, w, *weights = ins
     E, k, L = weights[0].shape[0], idx.shape[1], z.shape[1]  # experts map L -> L
     z, idx, w = (t.with_dim(0, "N") for t in (z, idx, w))
     walked = _weights(weights)
     rows, zs3 = TensorType(("R", L), z.dtype), TensorType(("N", k, L), z.dtype)
-    group = trace_to_linalg(_group(E), [z, idx], sym + "_group", int_high=E)
+    group = trace_to_linalg(_group(E, ranged), [z, idx], sym + "_group", int_high=E)
     experts = expert(sym + "_expert", [rows, *(m["one"] for m in walked)])
     combine = trace_to_linalg(_combine, [zs3, idx, w], sym + "_combine", int_high=1)
     wrapper = render("mxfp4_moe_by_expert.mlir", sym=sym, z=z, idx=idx, w=w, weights=walked, rows=rows,
-                     zs3=zs3, vec=TensorType((E,), torch.int64), k=k, E=E, L=L)
+                     zs3=zs3, vec=TensorType((E,), torch.int64), k=k, E=E, L=L, ranged=ranged)
     return [group, *experts, combine, wrapper]
 
 
-def dequantized(sym: str, ins: list[TensorType], consts: list) -> list[str]:
+def dequantized(sym: str, ins: list[TensorType], consts: list, ranged: bool = False) -> list[str]:
     """by_expert for a dynamic token count, by_slot for a static one; the FFN dequantises each
     matrix, then multiplies (every target)."""
     if ins[0].shape[0] is None:
         check(ins, consts, "by_expert")
-        return by_expert(sym, ins, traced_expert(_ffn(*consts)))
+        return by_expert(sym, ins, traced_expert(_ffn(*consts)), ranged)
     check(ins, consts, "by_slot")
-    return by_slot(sym, ins, traced_slot(_ffn(*consts)))
+    return by_slot(sym, ins, traced_slot(_ffn(*consts)), ranged)
+
+
+def ranged(generate):
+    """``generate`` for one device's share of the experts (module docstring)."""
+    return lambda sym, ins, consts: generate(sym, ins, consts, ranged=True)
 
 
 def _streamed_slot(decode: str, act: str, beta1: float, beta2: float):
@@ -222,14 +239,14 @@ def streamed(decode: str, tiled: bool):
     """For llvm-cpu: decode (by_slot) streams the packed weights through mxfp4_gemv (nibble
     ``decode`` "f16" or "int"); prefill (by_expert) multiplies dequantised copies, its matmuls over
     many rows pay for them: as ``tiled_expert`` where ``tiled``, else as ``dequantized``."""
-    def generate(sym: str, ins: list[TensorType], consts: list) -> list[str]:
+    def generate(sym: str, ins: list[TensorType], consts: list, ranged: bool = False) -> list[str]:
         if ins[0].shape[0] is None and tiled:
             check(ins, consts, "by_expert")
-            return by_expert(sym, ins, tiled_expert(*consts))
+            return by_expert(sym, ins, tiled_expert(*consts), ranged)
         if ins[0].shape[0] is None:
-            return dequantized(sym, ins, consts)
+            return dequantized(sym, ins, consts, ranged)
         check(ins, consts, "streamed by_slot")
-        return by_slot(sym, ins, _streamed_slot(decode, *consts))
+        return by_slot(sym, ins, _streamed_slot(decode, *consts), ranged)
     return generate
 
 
@@ -239,4 +256,11 @@ MXFP4_MOE = CustomOp("mxfp4_moe", {
                          "MXFP4 decode streams the packed weights, 16 lanes per row, i16 nibble decode (no F16C)"),
     "cpu": Lowering(streamed("f16", tiled=True),
                   "MXFP4 decode streams the packed weights, f16 nibble decode, 16 lanes per row; prefill on 16x16 mmt4d tiles"),
+}, sharded={
+    "default": Lowering(ranged(dequantized), "one device's range of the MXFP4 experts, sliced in place; "
+                                             "pairs of other devices' experts skipped"),
+    "llvm-cpu": Lowering(ranged(streamed("int", tiled=False)), "one device's range of the MXFP4 experts, decode streamed "
+                                                  "(i16 nibble decode); pairs of other devices' experts skipped"),
+    "cpu": Lowering(ranged(streamed("f16", tiled=True)), "one device's range of the MXFP4 experts, decode streamed, prefill tiled "
+                                             "(f16 nibble decode); pairs of other devices' experts skipped"),
 })

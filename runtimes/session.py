@@ -14,7 +14,7 @@ import iree.runtime as rt
 import numpy as np
 
 from ..artifacts.bundle import Bundle
-from ..compiler.devices import check_device
+from ..compiler.devices import check_device, open_devices
 from ..compiler.targets import Target
 from ..errors import K3Error
 from .readback import DeviceFunction, load, read_back
@@ -49,15 +49,27 @@ def iree_error_line(e: Exception, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+# On the CPU a program over several devices runs its devices on local-sync: under IREE 3.13's
+# local-task such a decode step fails ("transient buffer has not been committed" in
+# hal.device.queue.alloca / dealloca) while prefill runs; local-sync runs both (README "Past one device")
+MULTI_DEVICE_DRIVER = {"local-task": "local-sync"}
+
+
 class Session:
     def __init__(self, bundle: Bundle):
         m = bundle.manifest
         self.bundle, self.vocab = bundle, m.config["vocab_size"]
         self.max_context = m.config["max_position_embeddings"]
         self.target = m.target
-        check_device(Target(**{**m.target, "flags": tuple(m.target["flags"])}))
+        target = Target(**{**m.target, "flags": tuple(m.target["flags"])})
+        check_device(target)
         try:
-            self.config = rt.Config(m.target["driver"])
+            if target.devices == 1:
+                self.config = rt.Config(m.target["driver"])
+            else:   # README "Past one device": one HAL module over the N devices, arguments on the first
+                found = open_devices(MULTI_DEVICE_DRIVER.get(target.driver, target.driver), target.devices)
+                self.config = rt.Config(device=found[0])
+                self.config.default_vm_modules = (rt.create_hal_module(self.config.vm_instance, devices=found),)
         except (RuntimeError, ValueError) as e:
             raise K3Error(f"run: cannot open IREE driver {m.target['driver']!r} for {m.target['name']}: {e}") from None
         index = rt.ParameterIndex()

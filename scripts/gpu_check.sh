@@ -4,6 +4,9 @@
 #   scripts/gpu_check.sh prepare   here, in the project's venv: compile both CUDA bundles into out/gpu
 #                                  and fetch the IREE runtime wheel for the GPU machine's Python 3.12
 #   scripts/gpu_check.sh           on the NVIDIA machine: a venv, the project, the checks (< 5 minutes)
+#   scripts/gpu_check.sh prepare N / check N
+#                                  also k3-tiny compiled for N GPUs (k3c compile --devices N: the routed
+#                                  experts split over them) and validated on N GPUs
 #
 # The lent GPU machine has Python 3.12 with torch but no network, and iree-base-compiler's wheel
 # (84 MB) is over what a call may carry (64 MiB), so the bundles are compiled here and out/gpu is
@@ -16,10 +19,13 @@ export PYTHONUNBUFFERED=1  # stdout and stderr land in the logs in the order pri
 GPU=out/gpu
 SMALL_CHECKPOINT=/tmp/k3c-gpu/k3-small
 RUNTIME_WHEEL=iree-base-runtime==3.13.0
+DEVICES=${2:-1}
+[[ "$DEVICES" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check.sh: N must be a positive device count, got $DEVICES" >&2; exit 2; }
 
 prepare() {
     set -e
     k3c compile --preset k3-tiny --target cuda -o "$GPU/k3-tiny-cuda"
+    [ "$DEVICES" = 1 ] || k3c compile --preset k3-tiny --target cuda --devices "$DEVICES" -o "$GPU/k3-tiny-x$DEVICES-cuda"
     [ -d "$SMALL_CHECKPOINT" ] || k3c init-checkpoint --preset k3-small "$SMALL_CHECKPOINT"
     k3c compile --checkpoint "$SMALL_CHECKPOINT" --target cuda -o "$GPU/k3-small-cuda"
     python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -39,14 +45,19 @@ install() {
     fi
 }
 
-# validate NAME: the prepared bundle, or one compiled now; results as JSON in $LOGS
+# validate NAME [N]: the prepared bundle, or one compiled now (for N GPUs: k3-tiny-xN); results as
+# JSON in $LOGS
 validate() {
-    local name=$1 start=$SECONDS
+    local name=$1 n=${2:-1} start=$SECONDS
+    local preset=${name%-x*}
     if [ -d "$GPU/$name-cuda" ]; then
         timeout 150 k3c validate "$GPU/$name-cuda" --json "$LOGS/$name.json" >"$LOGS/$name.log" 2>&1
-    else
+    elif [ "$n" = 1 ]; then
         timeout 240 k3c validate --preset "$name" --target cuda -o "$LOGS/$name-cuda" --json "$LOGS/$name.json" \
             >"$LOGS/$name.log" 2>&1
+    else
+        { timeout 400 k3c compile --preset "$preset" --target cuda --devices "$n" -o "$LOGS/$name-cuda" &&
+            timeout 150 k3c validate "$LOGS/$name-cuda" --json "$LOGS/$name.json"; } >"$LOGS/$name.log" 2>&1
     fi
     echo "$name $? $((SECONDS - start))" >>"$LOGS/status"
 }
@@ -56,6 +67,7 @@ check() {
     LOGS=$(mktemp -d)
     k3c targets
     validate k3-tiny
+    [ "$DEVICES" = 1 ] || validate "k3-tiny-x$DEVICES" "$DEVICES"
     validate k3-small
     small=$([ -d "$GPU/k3-small-cuda" ] && echo "$GPU/k3-small-cuda" || echo "$LOGS/k3-small-cuda")
     timeout 60 k3c run "$small" --prompt-ids 1,2,3,4,5,6,7,8 -n 16 >"$LOGS/run.log" 2>&1
@@ -92,5 +104,5 @@ EOF
 case "${1:-check}" in
     prepare) prepare ;;
     check) check ;;
-    *) echo "usage: scripts/gpu_check.sh [prepare|check]" >&2; exit 2 ;;
+    *) echo "usage: scripts/gpu_check.sh [prepare|check] [N]" >&2; exit 2 ;;
 esac

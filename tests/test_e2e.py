@@ -157,8 +157,9 @@ def test_emit_mlir_custom_ops_then_their_implementations(k3c_cache, tmp_path):
     r = k3c("export", "--preset", "k3-tiny", "--max-prompt", 128, "--emit-mlir", tmp_path, cache=k3c_cache)
     assert r.returncode == 0, r.stderr
     before, after = (tmp_path / "torch.mlir").read_text(), (tmp_path / "lowered.mlir").read_text()
-    # per KDA group: prefill and extend bodies chunk, decode steps; per MoE group: start/prefill, extend, decode
-    for op, count in (("kda_chunk", 2 * n_kda), ("kda_step", n_kda), ("mxfp4_moe", 3 * n_moe)):
+    # per KDA group: prefill and extend bodies chunk, decode steps; per MoE group: start/prefill, extend,
+    # decode; and each group's public layer entry point (its prefill/start body again, for validate --layers)
+    for op, count in (("kda_chunk", 3 * n_kda), ("kda_step", n_kda), ("mxfp4_moe", 4 * n_moe)):
         assert before.count(f'torch.operator "torch.k3.{op}"') == count, op
     assert "torch.k3." not in after
 

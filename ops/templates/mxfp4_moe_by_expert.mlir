@@ -1,6 +1,8 @@
 {#- torch.k3.mxfp4_moe, prefill form (ops/mxfp4_moe.py by_expert): @{{sym}}_group orders the
     (token, slot) pairs by expert, the loop over the E experts runs @{{sym}}_expert (the FFN) on each
-    expert's rows with its matrices sliced in place, @{{sym}}_combine adds each token's k results. -#}
+    expert's rows with its matrices sliced in place, @{{sym}}_combine adds each token's k results. ``ranged`` (one device's
+    share of the experts): the pairs whose expert is outside [0, E) are grouped last and never
+    run, their rows left zero. -#}
 {% import "mxfp4_moe_slices.mlir" as slices %}
 {% set one_types = weights | map(attribute="one") | join(", ") %}
 module {
@@ -16,7 +18,13 @@ module {
     %N = tensor.dim %z, %c0 : {{ z }}
     %Nk = arith.muli %N, %ck : index
     %zs = tensor.collapse_shape %g#0 [[0, 1], [2]] : {{ zs3 }} into {{ rows }}
+{% if ranged %}
+    %zero = arith.constant 0.0 : {{ rows.element }}
+    %empty = tensor.empty(%Nk) : {{ rows }}
+    %init = linalg.fill ins(%zero : {{ rows.element }}) outs(%empty : {{ rows }}) -> {{ rows }}
+{% else %}
     %init = tensor.empty(%Nk) : {{ rows }}
+{% endif %}
     %out = scf.for %e = %c0 to %cE step %c1 iter_args(%acc = %init) -> ({{ rows }}) {
       %n64 = tensor.extract %g#2[%e] : {{ vec }}
       %s64 = tensor.extract %g#3[%e] : {{ vec }}
