@@ -121,8 +121,8 @@ class TimedSession:
     """A bundle's module in an IREE session, called with device-resident state: what the decode,
     prefill and hybrid sections time."""
 
-    def __init__(self, bundle: Bundle):
-        self.session = Session(bundle)
+    def __init__(self, bundle: Bundle, driver: str | None = None):
+        self.session = Session(bundle, driver)
 
     def on_device(self, state: K3State) -> list:
         """The state as the entry points take it (exporter/export.py stacked_state), on the device."""

@@ -1,6 +1,9 @@
 """``k3c bench --only devices`` (README "Past one device"): one expert-heavy model compiled for 1, 2
 (and 4 where the host has 4 cores) local CPU devices (one thread each), decode and prefill tokens/s timed in the same rounds,
-reported as ratios to one device; the transfer overhead is timed on its own, by a program that
+reported as ratios to one device on the driver the N-device sessions use (on the CPU local-sync,
+runtimes/session.py ``MULTI_DEVICE_DRIVER``: the ratio is then the split's own, not a difference
+between drivers; the ratio to one device on its own driver is reported too, not judged); the
+transfer overhead is timed on its own, by a program that
 makes only the moves of the N-device program (the hidden rows to each device and its partial sum
 back, per MoE layer) with no expert work.
 """
@@ -79,6 +82,8 @@ def bench_devices(cfg: K3Config, work: Path, target: Target, max_prompt: int, ro
     for n in COUNTS:
         bundle, model = bench_bundle(work / f"expert-heavy-x{n}", ck, on_devices(target, n), max_prompt, log)
         sessions[n] = TimedSession(bundle)
+        if n == 1:
+            sessions["1 same driver"] = TimedSession(bundle, MULTI_DEVICE_DRIVER.get(target.driver, target.driver))
     token = np.array([[1]], dtype=np.int64)
     state = synthetic_state(model, CONTEXT - 1)
     ids = np.random.default_rng(0).integers(0, heavy.vocab_size, (1, PREFILL_TOKENS))
@@ -90,10 +95,13 @@ def bench_devices(cfg: K3Config, work: Path, target: Target, max_prompt: int, ro
     with torch.no_grad():
         times = {k: statistics.median(v) for k, v in interleaved(cases, rounds).items()}
     rows = []
+    one_decode, one_prefill = times["decode x1 same driver"], times["prefill x1 same driver"]
     for n in COUNTS:
         decode_s, prefill_s = times[f"decode x{n}"], times[f"prefill x{n}"]
         row = {"devices": n, "decode_tok_s": 1 / decode_s, "prefill_tok_s": PREFILL_TOKENS / prefill_s,
-               "decode_vs_one": times["decode x1"] / decode_s, "prefill_vs_one": times["prefill x1"] / prefill_s}
+               "decode_vs_one": one_decode / decode_s, "prefill_vs_one": one_prefill / prefill_s,
+               "decode_vs_one_own_driver": times["decode x1"] / decode_s,
+               "prefill_vs_one_own_driver": times["prefill x1"] / prefill_s}
         if n > 1:
             tgt = on_devices(target, n)
             row["moves_decode_ms"] = 1e3 * time_moves(heavy, tgt, 1, rounds)
@@ -101,7 +109,8 @@ def bench_devices(cfg: K3Config, work: Path, target: Target, max_prompt: int, ro
             row["moves_share_of_decode"] = row["moves_decode_ms"] / 1e3 / decode_s
             row["moves_share_of_prefill"] = row["moves_prefill_ms"] / 1e3 / prefill_s
         rows.append(row)
-        log(f"devices x{n}: decode {row['decode_tok_s']:.1f} tok/s ({row['decode_vs_one']:.2f}x one device), "
-            f"prefill {row['prefill_tok_s']:.0f} tok/s ({row['prefill_vs_one']:.2f}x)"
+        log(f"devices x{n}: decode {row['decode_tok_s']:.1f} tok/s ({row['decode_vs_one']:.2f}x one device on "
+            f"the same driver, {row['decode_vs_one_own_driver']:.2f}x on its own), prefill "
+            f"{row['prefill_tok_s']:.0f} tok/s ({row['prefill_vs_one']:.2f}x, {row['prefill_vs_one_own_driver']:.2f}x)"
             + (f", moves {row['moves_decode_ms']:.2f} ms per decode step" if n > 1 else ""))
     return {"config": EXPERT_HEAVY, "context": CONTEXT, "prefill_tokens": PREFILL_TOKENS, "rows": rows}

@@ -56,7 +56,9 @@ MULTI_DEVICE_DRIVER = {"local-task": "local-sync"}
 
 
 class Session:
-    def __init__(self, bundle: Bundle):
+    def __init__(self, bundle: Bundle, driver: str | None = None):
+        """``driver``: another IREE driver for a one-device bundle's device (the bench runs a
+        one-device bundle on the driver a multi-device one uses, to compare like with like)."""
         m = bundle.manifest
         self.bundle, self.vocab = bundle, m.config["vocab_size"]
         self.max_context = m.config["max_position_embeddings"]
@@ -65,7 +67,7 @@ class Session:
         check_device(target)
         try:
             if target.devices == 1:
-                self.config = rt.Config(m.target["driver"])
+                self.config = rt.Config(driver or m.target["driver"])
             else:   # README "Past one device": one HAL module over the N devices, arguments on the first
                 found = open_devices(MULTI_DEVICE_DRIVER.get(target.driver, target.driver), target.devices)
                 self.config = rt.Config(device=found[0])
