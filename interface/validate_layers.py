@@ -36,7 +36,7 @@ class LayerCheck:
     finite: bool = True
 
 
-def _inputs(cfg, i: int, rows: int, n: int, tokens: int, gen) -> tuple:
+def _inputs(cfg, i: int, rows: int, tokens: int, gen) -> tuple:
     """Random (E, state) for layer i: E [rows, 1, T, D]; KDA: conv [1, 3, HK, W-1], S [1, H, K, K]."""
     import torch
     E = torch.randn(rows, 1, tokens, cfg.hidden_size, generator=gen)
@@ -108,7 +108,7 @@ def validate_layers(bundle: Bundle, checkpoint: Path | None = None, *, tokens: i
     checks = []
     for i, (group, j) in enumerate(place(cfg)):
         n = sum(closes[:i])
-        E, state = _inputs(cfg, i, rows, n, T, gen)
+        E, state = _inputs(cfg, i, rows, T, gen)
         at = np.array([n, closes[i], j], dtype=np.int32)
         got = session.layer(layer_function(group), E.numpy(), at, *(s.numpy() for s in state))
         checks.append(_compare(i, group_name(cfg, i), got, _eager(cfg, ckpt, i, n, E, state), tol))

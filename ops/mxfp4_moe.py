@@ -217,7 +217,7 @@ def dequantized(sym: str, ins: list[TensorType], consts: list, ranged: bool = Fa
     return by_slot(sym, ins, traced_slot(_ffn(*consts)), ranged)
 
 
-def ranged(generate):
+def on_one_range(generate):
     """``generate`` for one device's share of the experts (module docstring)."""
     return lambda sym, ins, consts: generate(sym, ins, consts, ranged=True)
 
@@ -257,10 +257,10 @@ MXFP4_MOE = CustomOp("mxfp4_moe", {
     "cpu": Lowering(streamed("f16", tiled=True),
                   "MXFP4 decode streams the packed weights, f16 nibble decode, 16 lanes per row; prefill on 16x16 mmt4d tiles"),
 }, sharded={
-    "default": Lowering(ranged(dequantized), "one device's range of the MXFP4 experts, sliced in place; "
+    "default": Lowering(on_one_range(dequantized), "one device's range of the MXFP4 experts, sliced in place; "
                                              "pairs of other devices' experts skipped"),
-    "llvm-cpu": Lowering(ranged(streamed("int", tiled=False)), "one device's range of the MXFP4 experts, decode streamed "
+    "llvm-cpu": Lowering(on_one_range(streamed("int", tiled=False)), "one device's range of the MXFP4 experts, decode streamed "
                                                   "(i16 nibble decode); pairs of other devices' experts skipped"),
-    "cpu": Lowering(ranged(streamed("f16", tiled=True)), "one device's range of the MXFP4 experts, decode streamed, prefill tiled "
+    "cpu": Lowering(on_one_range(streamed("f16", tiled=True)), "one device's range of the MXFP4 experts, decode streamed, prefill tiled "
                                              "(f16 nibble decode); pairs of other devices' experts skipped"),
 })
