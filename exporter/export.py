@@ -29,6 +29,7 @@ from torch.export import Dim, export
 from torch.export.graph_signature import InputKind
 
 from iree.compiler import ir
+from iree.compiler.dialects import func as func_d
 from iree.compiler.extras.fx_importer import FxImporter, FxImporterHooks
 from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
@@ -199,6 +200,39 @@ def layer_function(group: str) -> str:
     return f"layer_{group}"
 
 
+def add_layer_functions(module: ir.Module, groups) -> None:
+    """Each group's public entry point ``layer_<group>(E, at [3], *state)``: at = [n, close, j]; one
+    call of the group's body in LAYER_FORM with at[:2] and the integer at[2] (the body is imported
+    once, as every entry point calls it)."""
+    bodies = {ir.StringAttr(op.attributes["sym_name"]).value: op for op in module.body.operations
+              if op.operation.name == "func.func"}
+    with module.context, ir.Location.unknown():
+        torch_int = ir.Type.parse("!torch.int")
+
+        def op(name, result, *operands, **attributes):
+            return ir.Operation.create(name, results=[result], operands=list(operands), attributes=attributes).result
+
+        def const(v):
+            return op("torch.constant.int", torch_int, value=ir.IntegerAttr.get(ir.IntegerType.get_signless(64), v))
+
+        for group in groups:
+            callee = body_function(f"{group.name}.{LAYER_FORM[group.attention]}")
+            body = ir.FunctionType(ir.TypeAttr(bodies[callee].attributes["function_type"]).value)
+            E, head, _, *state = body.inputs
+            at = ir.Type.parse("!torch.vtensor<[3],si32>")
+            with ir.InsertionPoint(module.body):
+                f = func_d.FuncOp(layer_function(group.name), ([E, at, *state], list(body.results)))
+            f.attributes["torch.assume_strict_symbolic_shapes"] = ir.UnitAttr.get()
+            with ir.InsertionPoint(f.add_entry_block()):
+                E_arg, at_arg, *state_args = f.arguments
+                zero, one, two = const(0), const(1), const(2)
+                first = op("torch.aten.slice.Tensor", head, at_arg, zero, zero, two, one)
+                j = op("torch.aten.item", torch_int,
+                       op("torch.aten.select.int", ir.Type.parse("!torch.vtensor<[],si32>"), at_arg, zero, two))
+                call = func_d.CallOp(list(body.results), ir.FlatSymbolRefAttr.get(callee), [E_arg, first, j, *state_args])
+                func_d.ReturnOp(call.results)
+
+
 def layer_entry_points(cfg, batch: int, max_prompt: int, rows: int) -> dict[str, str]:
     """Manifest signature text of each group's layer entry point (its LayerBody in LAYER_FORM)."""
     D, H, K, W = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.conv_size
@@ -260,15 +294,15 @@ def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None,
         for key, body in register_bodies(model, stored).items():
             decode = BODY_FORMS[key.rsplit(".", 1)[1]][0]
             E = torch.zeros(rows, batch, 1 if decode else 2, cfg.hidden_size, dtype=model.dtype, device="meta")
-            at = torch.zeros(3, dtype=torch.int32, device="meta")
+            at = torch.zeros(2, dtype=torch.int32, device="meta")
             if body.group.attention == "kda":
                 st, dims = [state[0][0], state[1][0]], ({}, {})
             elif key.endswith(".start"):
                 st, dims = [], ()
             else:
                 st, dims = [state[-1][0]], ({1: L},)
-            dyn = ({} if decode else {2: T}, None) + ((dims,) if dims else ())
-            bodies[key] = (_export(body, (E, at, *st), dyn, f"body {key}", timings, log), body)
+            dyn = ({} if decode else {2: T}, None, Dim.DYNAMIC) + ((dims,) if dims else ())
+            bodies[key] = (_export(body, (E, at, 0, *st), dyn, f"body {key}", timings, log), body)
         inputs = {"prefill": (tokens,), "extend": (tokens, *state), "decode": (tokens[:, :1], *state)}
         dims = {"prefill": ({1: T},), "extend": ({1: T}, state_dims), "decode": (None, state_dims)}
         for mode in ENTRY_POINTS:
@@ -383,10 +417,8 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         for key, (program, body) in bodies.items():
             hooks.names = body.parameter_names()
             importer.import_program(program, func_name=body_function(key), func_visibility="private")
-        for key, (program, body) in bodies.items():
-            if key == f"{body.group.name}.{LAYER_FORM[body.group.attention]}":
-                hooks.names = body.parameter_names()
-                importer.import_program(program, func_name=layer_function(body.group.name))
+        add_layer_functions(importer.module, [body.group for key, (_, body) in bodies.items()
+                                              if key == f"{body.group.name}.{LAYER_FORM[body.group.attention]}"])
         hooks.names = {}
         for key, program in runs.items():
             importer.import_program(program, func_name=run_function(key), func_visibility="private")

@@ -2,13 +2,16 @@
 
 The exported entry points call one placeholder op per layer, ``torch.ops.k3x.kda_layer`` or
 ``k3x.mla_layer`` (``k3x.mla_layer_start`` where an MLA layer starts a sequence), with the layer's
-activations, its state and ``at`` = [n, close, j] (int32: SPIR-V on llvmpipe gave NaN with an int64
-index): the bank row of p, whether the layer closes a block, and its index in its group. (One
-tensor: IREE 3.13's interprocedural pass mixed up the arguments when they came as three scalars that
-coincide at some calls.) Each group's body (``LayerBody``) is exported on its own: its weights are
-stacked parameters ``layers.<group>.<name>`` [n_layers, ...] (model/stacking.py) and it slices layer
-``j`` out of them. passes/layer_calls.py turns every placeholder into a call of that body (which
-iree-compile still inlines; that module says why).
+activations, its state, ``at`` = [n, close] (int32: SPIR-V on llvmpipe gave NaN with an int64
+index), the bank row of p and whether the layer closes a block, and ``j``, the layer's index in its
+group, as a host integer. (``at`` is one tensor: IREE 3.13's interprocedural pass mixed up the
+arguments when they came as scalars that coincide at some calls.) Each group's body (``LayerBody``)
+is exported on its own: its weights are stacked parameters ``layers.<group>.<name>`` [n_layers, ...]
+(model/stacking.py) and it takes layer ``j``'s slice of each. Because j is an integer on the host
+(in a loop, an affine function of the loop's counter), the slice is an offset into the parameter:
+each dispatch reads its layer's weights where they lie, with no gather and no copy.
+passes/layer_calls.py turns every placeholder into a call of that body (which iree-compile still
+inlines; that module says why).
 
 The bank of Block Attention Residuals (docs/model.md §3) travels as one tensor E [R, B, T, D]: the
 caller writes the running partial sum p at row n (the number of closed blocks) before each layer.
@@ -33,38 +36,38 @@ RUNS: dict[str, "RunBody"] = {}      # run key -> one iteration of a layer run (
 
 
 @torch.library.custom_op("k3x::kda_layer", mutates_args=())
-def kda_layer(E: Tensor, at: Tensor, conv: Tensor, S: Tensor, body: str) -> tuple[Tensor, Tensor, Tensor]:
-    """One KDA layer of a group: (E, at, conv [B, 3, HK, W-1], S [B, H, K, V]) -> (p, conv, S)."""
-    return tuple(t.clone() for t in BODIES[body](E, at, conv, S))
+def kda_layer(E: Tensor, at: Tensor, j: int, conv: Tensor, S: Tensor, body: str) -> tuple[Tensor, Tensor, Tensor]:
+    """One KDA layer of a group: (E, at, j, conv [B, 3, HK, W-1], S [B, H, K, V]) -> (p, conv, S)."""
+    return tuple(t.clone() for t in BODIES[body](E, at, j, conv, S))
 
 
 @kda_layer.register_fake
-def _(E, at, conv, S, body):
+def _(E, at, j, conv, S, body):
     return E.new_empty(E.shape[1:]), torch.empty_like(conv), torch.empty_like(S)
 
 
 @torch.library.custom_op("k3x::mla_layer", mutates_args=())
-def mla_layer(E: Tensor, at: Tensor, cache: Tensor, body: str) -> tuple[Tensor, Tensor]:
+def mla_layer(E: Tensor, at: Tensor, j: int, cache: Tensor, body: str) -> tuple[Tensor, Tensor]:
     """One MLA layer continuing a sequence: cache [B, L, W] of the tokens before -> (p, cache [B, L + T, W])."""
-    return tuple(t.clone() for t in BODIES[body](E, at, cache))
+    return tuple(t.clone() for t in BODIES[body](E, at, j, cache))
 
 
 @mla_layer.register_fake
-def _(E, at, cache, body):
+def _(E, at, j, cache, body):
     B, L, W = cache.shape
     return E.new_empty(E.shape[1:]), cache.new_empty(B, L + E.shape[2], W)
 
 
 @torch.library.custom_op("k3x::mla_layer_start", mutates_args=())
-def mla_layer_start(E: Tensor, at: Tensor, width: int, body: str) -> Tensor:
+def mla_layer_start(E: Tensor, at: Tensor, j: int, width: int, body: str) -> Tensor:
     """One MLA layer starting a sequence (no cache before) -> [p | cache], [B, T, D + width]: one
     result, because IREE 3.13's interprocedural pass loses the size of a second result of the
     same dynamic length ("operand is unlinked")."""
-    return BODIES[body](E, at)[0].clone()
+    return BODIES[body](E, at, j)[0].clone()
 
 
 @mla_layer_start.register_fake
-def _(E, at, width, body):
+def _(E, at, j, width, body):
     return E.new_empty(E.shape[1], E.shape[2], E.shape[3] + width)
 
 
@@ -129,7 +132,7 @@ class LayerStep(nn.Module):
 
 
 class LayerBody(nn.Module):
-    """Every layer of ``group`` as one function of the layer index j = at[2]: weights stacked
+    """Every layer of ``group`` as one function of the layer index j (an integer): weights stacked
     [n, ...] as buffers ``w0, w1, ...`` (``names[i]`` is the per-layer tensor name of ``w{i}``), at
     their stored dtypes (``stored``: program parameter -> dtype), widened after layer j is sliced.
     With ``weights`` the buffers hold the model's weights stacked (to run it eagerly); otherwise they
@@ -155,16 +158,21 @@ class LayerBody(nn.Module):
         """Exported buffer name -> the program's parameter name."""
         return {f"w{i}": stacked_name(self.group.name, name) for i, name in enumerate(self.names)}
 
-    def forward(self, E, at, *state):
-        weights = {f"layer.{name}": self.layer_slice(i, name, at).squeeze(0).to(dtype)
+    def forward(self, E, at, j, *state):
+        torch._check(j >= 0)
+        torch._check(j < len(self.group.layers))
+        weights = {f"layer.{name}": self.layer_slice(i, name, j).squeeze(0).to(dtype)
                    for i, (name, dtype) in enumerate(zip(self.names, self.dtypes))}
         return torch.func.functional_call(self.template, weights, (E, at, *state), strict=True)
 
-    def layer_slice(self, i: int, name: str, at: Tensor) -> Tensor:
-        """Layer j = at[2] of stacked buffer ``w{i}``, sliced on the device that holds it (a device's
-        experts, exporter/devices.py: the index is sent there, so the weights never move)."""
-        device, j = device_of(name), at[2:]
-        return getattr(self, f"w{i}").index_select(0, transfer(j, device) if device else j)
+    def layer_slice(self, i: int, name: str, j) -> Tensor:
+        """Layer j of stacked buffer ``w{i}``: an offset into it. Over several devices a device's
+        experts (exporter/devices.py) are sliced on that device by an index sent there, so the
+        weights never move."""
+        device, w = device_of(name), getattr(self, f"w{i}")
+        if device:
+            return w.index_select(0, transfer(torch.full((1,), j, dtype=torch.int32, device=w.device), device))
+        return w.narrow(0, j, 1)
 
 
 def _index(t: Tensor, size: int):
@@ -178,10 +186,11 @@ def _index(t: Tensor, size: int):
 
 class RunBody(nn.Module):
     """One iteration k of a layer run (model/stacking.py ``LayerRun``): its ``period`` layers, each a
-    placeholder call of its group's body. Every per-layer position (bank row n, close, index j in the
-    group, state slot, model layer) is read from a table at row k, so the same code serves every
-    iteration. The carry is (E, p, *new state stacks[, hidden]); ``given`` are the state stacks the
-    entry point received (none in prefill). New state is written into its stack at the layer's slot."""
+    placeholder call of its group's body. Every per-layer position (bank row n, close, state slot,
+    model layer) is read from a table at row k, so the same code serves every iteration; the index j
+    in the group is j(0) + k * (the group's layers per iteration), an integer computed from k. The
+    carry is (E, p, *new state stacks[, hidden]); ``given`` are the state stacks the entry point
+    received (none in prefill). New state is written into its stack at the layer's slot."""
 
     def __init__(self, program, run, key: str):
         super().__init__()
@@ -189,8 +198,12 @@ class RunBody(nn.Module):
         self.cfg, self.run, self.key = cfg, run, key
         object.__setattr__(self, "program", program)   # not a submodule: its weights are not the run's
         closes = [int(cfg.closes_block(i)) for i in range(cfg.num_hidden_layers)]
-        self.table = [[[sum(closes[:i]), closes[i], program.places[i][1], program.slots[i], i] for i in run.layers(k)]
+        self.table = [[[sum(closes[:i]), closes[i], program.slots[i], i] for i in run.layers(k)]
                       for k in range(run.count)]
+        j = [[program.places[i][1] for i in run.layers(k)] for k in range(run.count)]
+        self.j0, self.dj = j[0], [b - a for a, b in zip(j[0], j[1] if run.count > 1 else j[0])]
+        if any(j[k] != [a + k * d for a, d in zip(self.j0, self.dj)] for k in range(run.count)):
+            raise ValueError(f"layer run {run}: a layer's index in its group is not affine in the iteration")
 
     def forward(self, k, *tensors):
         program, cfg = self.program, self.cfg
@@ -200,25 +213,26 @@ class RunBody(nn.Module):
         hidden = tensors[2 + len(names)] if program.mode == "prefill" else None
         given = dict(zip(names, tensors[2 + len(names) + (hidden is not None):]))
         rows = torch.tensor(self.table, dtype=torch.int32).to(k.device).index_select(0, k).squeeze(0)
+        iteration = _index(k, self.run.count)
         D = p.shape[-1]
         for o, layer in enumerate(self.run.layers(0)):
-            at = rows[o, :3]
+            at, j = rows[o, :2], self.j0[o] + iteration * self.dj[o]
             n, slot, i = (_index(rows[o, c], size) for c, size in
-                          ((0, E.shape[0]), (3, self.program.slots_of[cfg.layer_kinds[layer]]), (4, cfg.num_hidden_layers)))
+                          ((0, E.shape[0]), (2, self.program.slots_of[cfg.layer_kinds[layer]]), (3, cfg.num_hidden_layers)))
             E = E.select_scatter(p, 0, n)
             kind = cfg.layer_kinds[layer]
             body = program.body(program.places[layer][0], kind)
             if kind == "kda":
                 conv, S = ((given[s].select(0, slot) if given else torch.zeros_like(new[s][0]))
                            for s in ("kda_conv", "kda_S"))
-                p, conv, S = torch.ops.k3x.kda_layer(E, at, conv, S, body)
+                p, conv, S = torch.ops.k3x.kda_layer(E, at, j, conv, S, body)
                 new["kda_conv"] = new["kda_conv"].select_scatter(conv, 0, slot)
                 new["kda_S"] = new["kda_S"].select_scatter(S, 0, slot)
             else:
                 if given:
-                    p, cache = torch.ops.k3x.mla_layer(E, at, given["mla_cache"].select(0, slot), body)
+                    p, cache = torch.ops.k3x.mla_layer(E, at, j, given["mla_cache"].select(0, slot), body)
                 else:
-                    p, cache = torch.ops.k3x.mla_layer_start(E, at, cfg.mla_cache_width, body).split(
+                    p, cache = torch.ops.k3x.mla_layer_start(E, at, j, cfg.mla_cache_width, body).split(
                         (D, cfg.mla_cache_width), dim=-1)
                 new["mla_cache"] = new["mla_cache"].select_scatter(cache.to(new["mla_cache"].dtype), 0, slot)
             if hidden is not None:

@@ -29,12 +29,27 @@ LOOP = "torch.k3x.layer_loop"
 LOOP_MARK = "k3c.layer_loop"        # unit attribute on the scf.for of a layer run
 
 
-def _builtin(vtensor: ir.Type) -> ir.Type:
-    return TensorType.of([vtensor])[0].builtin
+TORCH_INT = "!torch.int"
+
+
+def _builtin(torch_type: ir.Type) -> ir.Type:
+    """The builtin type of a torch value: a tensor's, or i64 for ``!torch.int``."""
+    if str(torch_type) == TORCH_INT:
+        return ir.IntegerType.get_signless(64)
+    return TensorType.of([torch_type])[0].builtin
 
 
 def _cast(value: ir.Value, to: ir.Type, op: str) -> ir.Value:
     return ir.Operation.create(op, results=[to], operands=[value]).result
+
+
+def _to_builtin(value: ir.Value) -> ir.Value:
+    op = "torch_c.to_i64" if str(value.type) == TORCH_INT else "torch_c.to_builtin_tensor"
+    return _cast(value, _builtin(value.type), op)
+
+
+def _from_builtin(value: ir.Value, to: ir.Type) -> ir.Value:
+    return _cast(value, to, "torch_c.from_i64" if str(to) == TORCH_INT else "torch_c.from_builtin_tensor")
 
 
 def _wrapper(module: ir.Module, callee: str, args: list[ir.Type], results: list[ir.Type]) -> str:
@@ -44,7 +59,7 @@ def _wrapper(module: ir.Module, callee: str, args: list[ir.Type], results: list[
         f = func_d.FuncOp(name, ([_builtin(t) for t in args], [_builtin(t) for t in results]), visibility="private")
     block = f.add_entry_block()
     with ir.InsertionPoint(block):
-        torch_args = [_cast(a, t, "torch_c.from_builtin_tensor") for a, t in zip(block.arguments, args)]
+        torch_args = [_from_builtin(a, t) for a, t in zip(block.arguments, args)]
         call = func_d.CallOp(results, ir.FlatSymbolRefAttr.get(callee), torch_args)
         func_d.ReturnOp([_cast(r, _builtin(t), "torch_c.to_builtin_tensor") for r, t in zip(call.results, results)])
     return name
@@ -169,25 +184,47 @@ def _remap(op: ir.Operation, mapping: dict) -> ir.WalkResult:
     return ir.WalkResult.ADVANCE
 
 
+
+
 def call_layer_bodies(module: ir.Module) -> int:
     """Rewrite every ``torch.k3x.*`` layer placeholder into a call of its body's wrapper; returns
-    how many were rewritten."""
+    how many were rewritten.
+
+    A placeholder's operands are (E, at, j, *state tensors[, width], body key) (exporter/layers.py);
+    the body takes (E, at, j, *state). Outside a layer loop each call's positions ``at`` and ``j``
+    pass through ``util.optimization_barrier``, so that iree-compile folds no layer's positions into
+    its body: a layer written out then reads its weights at a run-time offset into the stacked
+    parameters as a layer in a loop does (there ``j`` is computed from the loop's counter), and
+    every layer of a body form compiles to one set of dispatches, however many layers are written
+    out; nor are constant-offset slices of the weights hoisted into copies made at load time
+    (docs/pipeline.md §5). (Inside a loop a barrier breaks IREE 3.13's stream scheduling, "failed to
+    solve for timepoint coverage", and is not needed.)"""
     wrappers: dict[str, str] = {}
     count = 0
     with module.context, ir.Location.unknown():
         for _, op in custom_ops(module, prefix=PREFIX):
-            tensors = [v for v in op.operands if str(v.type).startswith("!torch.vtensor")]
+            E, at, j, *rest = op.operands
+            operands = [E, at, j] + [v for v in rest if str(v.type).startswith("!torch.vtensor")]
             key = next(ir.StringAttr(v.owner.attributes["value"]).value for v in op.operands
                        if str(v.type) == "!torch.str")
             callee = body_function(key)
             results = [r.type for r in op.results]
             if callee not in wrappers:
-                wrappers[callee] = _wrapper(module, callee, [v.type for v in tensors], results)
+                wrappers[callee] = _wrapper(module, callee, [v.type for v in operands], results)
             with ir.InsertionPoint(op), op.location:
-                args = [_cast(v, _builtin(v.type), "torch_c.to_builtin_tensor") for v in tensors]
+                args = [_to_builtin(v) for v in operands]
+                if not _enclosing_function(op).startswith("run_"):
+                    args[1:3] = [_cast(v, v.type, "util.optimization_barrier") for v in args[1:3]]
                 call = func_d.CallOp([_builtin(t) for t in results], ir.FlatSymbolRefAttr.get(wrappers[callee]), args)
                 for old, new in zip(op.results, call.results):
                     old.replace_all_uses_with(_cast(new, old.type, "torch_c.from_builtin_tensor"))
             op.erase()
             count += 1
     return count
+
+
+def _enclosing_function(op) -> str:
+    parent = op.operation.parent
+    while parent.name != "func.func":
+        parent = parent.parent
+    return ir.StringAttr(parent.attributes["sym_name"]).value

@@ -142,6 +142,30 @@ def module_outline(text: str) -> tuple[dict[str, list], list[tuple[str, str, boo
     return inputs, calls
 
 
+def barred_positions(text: str) -> tuple[int, int]:
+    """Of a lowered module: how many calls of a layer body in the public functions (the entry points)
+    take both positions (``at`` and the index j) through util.optimization_barrier, and how many do
+    not (passes/layer_calls.py)."""
+    from iree.compiler import ir
+
+    counts = [0, 0]
+
+    def visit(op):
+        function = op.parent
+        while function is not None and function.name != "func.func":
+            function = function.parent
+        if (op.name == "func.call" and ir.FlatSymbolRefAttr(op.attributes["callee"]).value.startswith("call_body_")
+                and "sym_visibility" not in function.attributes):
+            barred = all(hasattr(v.owner, "operation") and v.owner.operation.name == "util.optimization_barrier"
+                         for v in list(op.operands)[1:3])
+            counts[not barred] += 1
+        return ir.WalkResult.ADVANCE
+
+    with ir.Context():
+        ir.Module.parse(text).operation.walk(visit)
+    return tuple(counts)
+
+
 def test_emit_mlir_custom_ops_then_their_implementations(k3c_cache, tmp_path):
     """torch.mlir holds the k3 operators; lowered.mlir holds none, but calls to their implementations.
     Each layer group's body is written once per form (prefill, extend, decode); the layers outside a
@@ -158,8 +182,8 @@ def test_emit_mlir_custom_ops_then_their_implementations(k3c_cache, tmp_path):
     assert r.returncode == 0, r.stderr
     before, after = (tmp_path / "torch.mlir").read_text(), (tmp_path / "lowered.mlir").read_text()
     # per KDA group: prefill and extend bodies chunk, decode steps; per MoE group: start/prefill, extend,
-    # decode; and each group's public layer entry point (its prefill/start body again, for validate --layers)
-    for op, count in (("kda_chunk", 3 * n_kda), ("kda_step", n_kda), ("mxfp4_moe", 4 * n_moe)):
+    # decode (each group's public layer entry point calls its prefill/start body: no second copy)
+    for op, count in (("kda_chunk", 2 * n_kda), ("kda_step", n_kda), ("mxfp4_moe", 3 * n_moe)):
         assert before.count(f'torch.operator "torch.k3.{op}"') == count, op
     assert "torch.k3." not in after
 
@@ -173,6 +197,10 @@ def test_emit_mlir_custom_ops_then_their_implementations(k3c_cache, tmp_path):
         assert not [c for f, c, loop in calls if f == entry and loop], entry
     assert after.count("k3c.layer_loop") == 3 * len(looped)  # one marked loop per entry point
     assert len(called("call_body_kda_moe_prefill", "body_kda_moe_prefill")) == 1
+    for g in groups:   # validate --layers' entry point: one call of the group's prompt-form body
+        form = "prefill" if g.attention == "kda" else "start"
+        assert called(f"layer_{g.name}", "") == [f"body_{g.name}_{form}"], g.name
+    assert barred_positions(after) == (3 * len(single), 0)   # every written-out layer's `at`, none constant
     assert len(called("body_kda_moe_prefill", "k3_kda_chunk_")) == 1
     assert len(called("body_kda_moe_decode", "k3_kda_step_")) == 1
 
