@@ -7,8 +7,10 @@ For every model layer i, seeded random inputs of the shapes its group's layer en
 the CPU's 256-token KDA blocks. The compiled entry runs with at = [n_i, close_i, j_i] on the
 module's stacked parameters (the archive); the eager layer (model/model.py ``decoder_step``) runs
 on layer i's tensors alone, read from the checkpoint (model/checkpoint.py ``load_layer``), and is
-dropped before the next. A layer passes when every output (p, and the new state) is finite and
-within the target's validation tolerance in max abs error.
+dropped before the next; the pages of the archive and of the checkpoint that the layer read are
+given back (utils/memory.py), so memory holds one layer whatever the depth. A layer passes when
+every output (p, and the new state) is finite and within the target's validation tolerance in max
+abs error.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import numpy as np
 from ..artifacts.bundle import Bundle
 from ..errors import K3Error
 from ..runtimes.session import Session
+from ..utils.memory import release_mapped_pages
 from .validate import TOLERANCE
 
 LAYER_TOKENS = 300   # one whole 256-token KDA block on the CPU and part of a second
@@ -85,7 +88,7 @@ def validate_layers(bundle: Bundle, checkpoint: Path | None = None, *, tokens: i
     import torch  # deferred heavy import (~2 s): only validation runs the PyTorch layers
 
     from ..exporter.export import layer_function
-    from ..model.checkpoint import checkpoint_dir, open_checked
+    from ..model.checkpoint import checkpoint_dir, checkpoint_files, open_checked
     from ..model.config import K3Config
     from ..model.stacking import group_name, place
 
@@ -105,6 +108,7 @@ def validate_layers(bundle: Bundle, checkpoint: Path | None = None, *, tokens: i
     closes = [int(cfg.closes_block(i)) for i in range(cfg.num_hidden_layers)]
     rows = sum(closes) + 1
     gen = torch.Generator().manual_seed(seed)
+    mapped = [*bundle.parameter_files, *checkpoint_files(ck)]
     checks = []
     for i, (group, j) in enumerate(place(cfg)):
         n = sum(closes[:i])
@@ -112,6 +116,7 @@ def validate_layers(bundle: Bundle, checkpoint: Path | None = None, *, tokens: i
         at = np.array([n, closes[i], j], dtype=np.int32)
         got = session.layer(layer_function(group), E.numpy(), at, *(s.numpy() for s in state))
         checks.append(_compare(i, group_name(cfg, i), got, _eager(cfg, ckpt, i, n, E, state), tol))
+        release_mapped_pages(mapped)
         c = checks[-1]
         log(f"layer {i} ({c.kind}): max abs {c.max_abs:.2e}, max rel {c.max_rel:.2e}, "
             f"{'PASS' if c.passed else 'FAIL'}")
