@@ -61,7 +61,7 @@ def _wrapper(module: ir.Module, callee: str, args: list[ir.Type], results: list[
     with ir.InsertionPoint(block):
         torch_args = [_from_builtin(a, t) for a, t in zip(block.arguments, args)]
         call = func_d.CallOp(results, ir.FlatSymbolRefAttr.get(callee), torch_args)
-        func_d.ReturnOp([_cast(r, _builtin(t), "torch_c.to_builtin_tensor") for r, t in zip(call.results, results)])
+        func_d.ReturnOp([_to_builtin(r) for r in call.results])
     return name
 
 
@@ -88,8 +88,8 @@ def loop_layer_runs(module: ir.Module) -> int:
             with ir.InsertionPoint(op), op.location:
                 index = ir.IndexType.get()
                 bounds = [arith.ConstantOp(index, n).result for n in (0, _constant(trips), 1)]
-                init = [_cast(v, _builtin(v.type), "torch_c.to_builtin_tensor") for v in carry]
-                fixed = [_cast(v, _builtin(v.type), "torch_c.to_builtin_tensor") for v in given]
+                init = [_to_builtin(v) for v in carry]
+                fixed = [_to_builtin(v) for v in given]
                 loop = scf.ForOp(*bounds, init)
                 loop.operation.attributes[LOOP_MARK] = ir.UnitAttr.get()
                 with ir.InsertionPoint(loop.body):
@@ -99,7 +99,7 @@ def loop_layer_runs(module: ir.Module) -> int:
                                          [k, *loop.inner_iter_args, *fixed])
                     scf.YieldOp(call.results)
                 for old, new, v in zip(unpack[0].results, loop.results, carry):
-                    old.replace_all_uses_with(_cast(new, old.type, "torch_c.from_builtin_tensor"))
+                    old.replace_all_uses_with(_from_builtin(new, old.type))
             unpack[0].erase()
             op.erase()
             for lst in (carry_list, given_list):
@@ -213,11 +213,11 @@ def call_layer_bodies(module: ir.Module) -> int:
                 wrappers[callee] = _wrapper(module, callee, [v.type for v in operands], results)
             with ir.InsertionPoint(op), op.location:
                 args = [_to_builtin(v) for v in operands]
-                if not _enclosing_function(op).startswith("run_"):
+                if not _enclosing_function(op).startswith(run_function("")):   # not in a run's iteration
                     args[1:3] = [_cast(v, v.type, "util.optimization_barrier") for v in args[1:3]]
                 call = func_d.CallOp([_builtin(t) for t in results], ir.FlatSymbolRefAttr.get(wrappers[callee]), args)
                 for old, new in zip(op.results, call.results):
-                    old.replace_all_uses_with(_cast(new, old.type, "torch_c.from_builtin_tensor"))
+                    old.replace_all_uses_with(_from_builtin(new, old.type))
             op.erase()
             count += 1
     return count
