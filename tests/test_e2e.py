@@ -166,6 +166,22 @@ def barred_positions(text: str) -> tuple[int, int]:
     return tuple(counts)
 
 
+def hoisted_sizes(lowered: Path) -> list[int]:
+    """Elements of each global that iree-compile's global optimization hoists out of ``lowered``
+    (constant expressions it computes at load time), for this host's CPU."""
+    from iree.compiler.tools.core import find_tool
+    from k3c.compiler.targets import parse_target
+    out = lowered.with_suffix(".global-opt.mlir")
+    subprocess.run([find_tool("iree-compile"), str(lowered), "--iree-input-type=torch", *parse_target("cpu").flags,
+                    "--compile-to=global-optimization", "-o", str(out)], check=True)
+    sizes = []
+    for line in out.read_text().splitlines():
+        if "util.global private @__hoisted" in line:
+            dims = re.fullmatch(r"tensor<((?:\d+x)*)\w+>", line.rsplit(" : ", 1)[1].strip())
+            sizes.append(int(np.prod([int(d) for d in dims[1].split("x") if d])) if dims else 1)
+    return sizes
+
+
 def test_emit_mlir_custom_ops_then_their_implementations(k3c_cache, tmp_path):
     """torch.mlir holds the k3 operators; lowered.mlir holds none, but calls to their implementations.
     Each layer group's body is written once per form (prefill, extend, decode); the layers outside a
@@ -200,7 +216,9 @@ def test_emit_mlir_custom_ops_then_their_implementations(k3c_cache, tmp_path):
     for g in groups:   # validate --layers' entry point: one call of the group's prompt-form body
         form = "prefill" if g.attention == "kda" else "start"
         assert called(f"layer_{g.name}", "") == [f"body_{g.name}_{form}"], g.name
-    assert barred_positions(after) == (3 * len(single), 0)   # every written-out layer's `at`, none constant
+    assert barred_positions(after) == (3 * len(single), 0)   # every written-out layer's positions, none constant
+    hoisted = hoisted_sizes(tmp_path / "lowered.mlir")          # no layer's weights copied at load time
+    assert hoisted and max(hoisted) < cfg.hidden_size, hoisted
     assert len(called("body_kda_moe_prefill", "k3_kda_chunk_")) == 1
     assert len(called("body_kda_moe_decode", "k3_kda_step_")) == 1
 
