@@ -93,13 +93,13 @@ class Program(nn.Module):
         return f"{group}.start" if self.mode == "prefill" and kind == "mla" else f"{group}.{self.mode}"
 
     def new_state(self, p: torch.Tensor, given: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Zero stacks for the state after this call (filled layer by layer); MLA caches L + T long."""
+        """Zero stacks for the state after this call (filled layer by layer); for MLA the cache rows
+        of the T tokens (``forward`` appends them to the caches given)."""
         cfg, (B, T, _) = self.cfg, p.shape
         H, K, W = cfg.kda_heads, cfg.kda_head_dim, cfg.conv_size
-        L = given[-1].shape[2] if given and "mla" in self.kinds else 0
         shapes = {"kda_conv": ((cfg.layer_kinds.count("kda"), B, 3, H * K, W - 1), p.dtype),
                   "kda_S": ((cfg.layer_kinds.count("kda"), B, H, K, K), upcast(p).dtype),
-                  "mla_cache": ((cfg.layer_kinds.count("mla"), B, L + T, cfg.mla_cache_width), p.dtype)}
+                  "mla_cache": ((cfg.layer_kinds.count("mla"), B, T, cfg.mla_cache_width), p.dtype)}
         return [p.new_zeros(*shapes[s][0], dtype=shapes[s][1]) for s in self.state_names]
 
     def forward(self, tokens, *given):
@@ -115,6 +115,10 @@ class Program(nn.Module):
             else:
                 carry = list(torch.ops.k3x.layer_loop(carry, list(given), body.run.count, key))
         E, p, *out = carry
+        if given and "mla" in self.kinds:
+            # one copy of each cache, at the end: the layers only read the caches given (model/mla.py)
+            i = self.state_names.index("mla_cache")
+            out[i] = torch.cat((given[i], out[i]), dim=2)
         if cfg.uses_attn_res:
             p = attn_res(list(E[:self.rows - 1].unbind(0)), p, m.output_attn_res_proj.weight,
                          m.output_attn_res_norm.weight)
@@ -323,7 +327,7 @@ def _run_example(program: Program, inputs: tuple, T: Dim, L: Dim) -> tuple[tuple
     carry = [p.new_zeros(program.rows, B, t, D), p, *new]
     seq = program.mode != "decode"                         # T is dynamic
     carry_dims = [{2: T} if seq else {}, {1: T} if seq else {}]
-    carry_dims += [{2: Dim.AUTO} if s == "mla_cache" else {} for s in program.state_names]
+    carry_dims += [{2: T} if s == "mla_cache" and seq else {} for s in program.state_names]
     if program.mode == "prefill":
         carry.append(p.new_zeros(program.cfg.num_hidden_layers, B, t, D))
         carry_dims.append({2: T})

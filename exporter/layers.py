@@ -48,14 +48,15 @@ def _(E, at, j, conv, S, body):
 
 @torch.library.custom_op("k3x::mla_layer", mutates_args=())
 def mla_layer(E: Tensor, at: Tensor, j: int, cache: Tensor, body: str) -> tuple[Tensor, Tensor]:
-    """One MLA layer continuing a sequence: cache [B, L, W] of the tokens before -> (p, cache [B, L + T, W])."""
+    """One MLA layer continuing a sequence: cache [B, L, W] of the tokens before -> (p, the cache rows
+    of the T new tokens [B, T, W]; the caller appends them)."""
     return tuple(t.clone() for t in BODIES[body](E, at, j, cache))
 
 
 @mla_layer.register_fake
 def _(E, at, j, cache, body):
     B, L, W = cache.shape
-    return E.new_empty(E.shape[1:]), cache.new_empty(B, L + E.shape[2], W)
+    return E.new_empty(E.shape[1:]), cache.new_empty(B, E.shape[2], W)
 
 
 @torch.library.custom_op("k3x::mla_layer_start", mutates_args=())
@@ -112,8 +113,8 @@ class LayerStep(nn.Module):
             a, conv_out, S = layer.self_attn(h, conv.unbind(1), S, self.decode)
             new_state = (torch.stack(conv_out, dim=1), S)
         else:
-            a, cache = layer.self_attn(h, state[0] if state else None, self.decode)
-            new_state = (cache,)
+            a, latent = layer.self_attn(h, state[0] if state else None, self.decode)
+            new_state = (latent,)
         if not self.attn_res:
             p = p + a
             return self.results(p + layer.ffn(p), new_state, state)
@@ -125,7 +126,8 @@ class LayerStep(nn.Module):
         return self.results(p + layer.ffn(x), new_state, state)
 
     def results(self, p, new_state, state):
-        """(p, *state), or (p | cache,) for an MLA layer that starts a sequence (mla_layer_start)."""
+        """(p, *state) (an MLA layer's state: the cache rows of its T tokens), or (p | cache,) for an MLA
+        layer that starts a sequence (mla_layer_start)."""
         if self.layer.kind == "mla" and not state:
             return (torch.cat((p, new_state[0].to(p.dtype)), dim=-1),)
         return (p, *new_state)
@@ -190,7 +192,8 @@ class RunBody(nn.Module):
     model layer) is read from a table at row k, so the same code serves every iteration; the index j
     in the group is j(0) + k * (the group's layers per iteration), an integer computed from k. The
     carry is (E, p, *new state stacks[, hidden]); ``given`` are the state stacks the entry point
-    received (none in prefill). New state is written into its stack at the layer's slot."""
+    received (none in prefill). New state is written into its stack at the layer's slot (for MLA
+    the cache rows of the T tokens: the entry point appends them to the given caches at the end)."""
 
     def __init__(self, program, run, key: str):
         super().__init__()

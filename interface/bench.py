@@ -6,7 +6,7 @@ the median of the per-round ratios, so load from other processes shifts both sid
 Absolute medians are reported too, but not judged. Sections:
 
     decode    time per token, compiled vs eager, at several contexts (k3-small)
-    prefill   tokens/s, compiled vs eager
+    prefill   tokens/s, compiled vs eager (a prompt longer than the module's max_prompt in pieces, as k3c run does)
     layers    prefill of one KDA attention, MLA attention and MoE block, compiled vs eager
     kda       compiled chunkwise KDA prefill vs T, and vs a compiled token-by-token recurrence
     moe       decode-step MXFP4 expert FFN: weight bytes/s vs a large memory copy; vs bf16 experts
@@ -77,7 +77,7 @@ class Sizes:
     sections: tuple[str, ...] = SECTIONS
 
 
-FULL = Sizes("k3-small", 2048, (128, 1024, 4096, 16384), (512, 2048), (512, 2048, 8192),
+FULL = Sizes("k3-small", 2048, (128, 1024, 4096, 16384), (512, 2048, 8192), (512, 2048, 8192),
              (256, 512, 1024, 2048, 4096, 8192), 2048,
              {"E": 32, "k": 16, "L": 3584, "I": 3072}, 512 << 20, (1024, 4096, 16384), (8, 32, 93), 7, 3, True)
 QUICK = Sizes("k3-tiny", 128, (16, 64, 256), (16, 64), (16, 64), (64, 128, 256, 512), 128,
@@ -133,6 +133,10 @@ class TimedSession:
         return self.session.host(logits)
 
     def prefill(self, ids: np.ndarray) -> np.ndarray:
+        """Logits of every position; a prompt longer than the bundle's max_prompt is prefilled in
+        pieces, as ``k3c run`` does (runtimes/session.py ``Session.prefill``)."""
+        if ids.shape[1] > self.session.bundle.manifest.max_prompt:
+            return self.session.prefill(ids[0])[0]
         logits, *_ = self.session.call["prefill"](ids)
         return self.session.host(logits)
 

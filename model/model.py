@@ -63,7 +63,9 @@ class DecoderLayer(nn.Module):
         """Run self_attn on x and write this layer's new state into ``state`` at ``slot``."""
         h = self.input_layernorm(x)
         if self.kind == "mla":
-            out, state.mla_cache[slot] = self.self_attn(h, state.mla_cache[slot], decode)
+            cache = state.mla_cache[slot]
+            out, latent = self.self_attn(h, cache, decode)
+            state.mla_cache[slot] = latent if cache is None else torch.cat((cache.to(latent.dtype), latent), dim=1)
         else:
             conv = state.kda_conv[slot].unbind(1)
             out, conv, state.kda_S[slot] = self.self_attn(h, conv, state.kda_S[slot], decode)
