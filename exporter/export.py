@@ -36,6 +36,7 @@ from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 from ..errors import K3Error
 from ..model import K3Model
 from ..model.attnres import attn_res
+from ..model.linear import Linear
 from ..model.norms import upcast
 from ..model.stacking import LayerRun, layer_groups, layer_runs, place, program_dtypes
 from ..ops.base import TensorType
@@ -282,6 +283,9 @@ def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None,
         raise K3Error(f"export: max_prompt {max_prompt} must lie in [2, {cfg.max_position_embeddings})")
     with torch.device("meta"):   # export reads no weight: a model of the same config on meta serves
         model = K3Model(cfg).to(model.dtype).eval()
+    for name, module in model.named_modules():   # Linear weights outside the layers (lm_head): as stored
+        if isinstance(module, Linear) and not name.startswith("model.layers."):
+            module.to((stored or {}).get(f"{name}.weight", model.dtype))
     if devices > 1:
         shard_experts(model, devices)
     timings: dict[str, float] = {}
@@ -321,7 +325,7 @@ def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None,
 def _run_example(program: Program, inputs: tuple, T: Dim, L: Dim) -> tuple[tuple, tuple]:
     """Example arguments (k, *carry, *given) of a RunBody of ``program`` and their dynamic dims."""
     tokens, *given = inputs
-    p = torch.zeros(*tokens.shape, program.cfg.hidden_size, dtype=program.lm_head.weight.dtype, device="meta")
+    p = torch.zeros(*tokens.shape, program.cfg.hidden_size, dtype=program.model.embed_tokens.weight.dtype, device="meta")
     B, t, D = p.shape
     new = program.new_state(p, given)
     carry = [p.new_zeros(program.rows, B, t, D), p, *new]

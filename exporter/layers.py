@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from ..model import K3Model
 from ..model.attnres import score
+from ..model.linear import Linear
 from ..model.norms import upcast
 from ..model.stacking import LayerGroup, stacked_name
 from .devices import device_of, transfer
@@ -136,7 +137,8 @@ class LayerStep(nn.Module):
 class LayerBody(nn.Module):
     """Every layer of ``group`` as one function of the layer index j (an integer): weights stacked
     [n, ...] as buffers ``w0, w1, ...`` (``names[i]`` is the per-layer tensor name of ``w{i}``), at
-    their stored dtypes (``stored``: program parameter -> dtype), widened after layer j is sliced.
+    their stored dtypes (``stored``: program parameter -> dtype), widened after layer j is sliced
+    (the weights of ``Linear`` projections are not: k3::linear multiplies them as stored).
     With ``weights`` the buffers hold the model's weights stacked (to run it eagerly); otherwise they
     live on the meta device (to export it)."""
 
@@ -148,6 +150,8 @@ class LayerBody(nn.Module):
         layers = model.model.layers
         self.names = list(self.step.layer.state_dict())
         self.dtypes = [t.dtype for t in self.step.layer.state_dict().values()]
+        # a Linear layer's weight is multiplied at its stored dtype (k3::linear, ops/linear.py)
+        self.widened = [not _linear_weight(self.step.layer, name) for name in self.names]
         for i, name in enumerate(self.names):
             parts = [layers[l].state_dict()[name] for l in group.layers]
             dtype = (stored or {}).get(stacked_name(group.name, name), parts[0].dtype)
@@ -163,8 +167,8 @@ class LayerBody(nn.Module):
     def forward(self, E, at, j, *state):
         torch._check(j >= 0)
         torch._check(j < len(self.group.layers))
-        weights = {f"layer.{name}": self.layer_slice(i, name, j).squeeze(0).to(dtype)
-                   for i, (name, dtype) in enumerate(zip(self.names, self.dtypes))}
+        weights = {f"layer.{name}": self.layer_slice(i, name, j).squeeze(0) for i, name in enumerate(self.names)}
+        weights = {k: w.to(dtype) if widen else w for (k, w), dtype, widen in zip(weights.items(), self.dtypes, self.widened)}
         return torch.func.functional_call(self.template, weights, (E, at, *state), strict=True)
 
     def layer_slice(self, i: int, name: str, j) -> Tensor:
@@ -175,6 +179,12 @@ class LayerBody(nn.Module):
         if device:
             return w.index_select(0, transfer(torch.full((1,), j, dtype=torch.int32, device=w.device), device))
         return w.narrow(0, j, 1)
+
+
+def _linear_weight(layer: nn.Module, name: str) -> bool:
+    """Whether ``name`` is the weight of one of ``layer``'s ``Linear`` projections."""
+    module, _, leaf = name.rpartition(".")
+    return leaf == "weight" and isinstance(layer.get_submodule(module), Linear)
 
 
 def _index(t: Tensor, size: int):

@@ -85,7 +85,12 @@ def _causal_attention(q, k, v, scale):
     return op.Transpose(op.MatMul(op.Softmax(scores, axis=-1), vh), perm=[0, 2, 1, 3])
 
 
-TRANSLATIONS = {torch.ops.k3.kda_chunk.default: _kda_chunk, torch.ops.k3.kda_step.default: _kda_step,
+def _linear(x, weight):
+    """torch.ops.k3.linear: x W^T with W widened to x's type."""
+    return op.MatMul(x, op.Transpose(op.CastLike(weight, x), perm=[1, 0]))
+
+
+TRANSLATIONS = {torch.ops.k3.linear.default: _linear, torch.ops.k3.kda_chunk.default: _kda_chunk, torch.ops.k3.kda_step.default: _kda_step,
                 torch.ops.k3.mxfp4_moe.default: _mxfp4_moe, torch.ops.k3.causal_attention.default: _causal_attention,
                 torch.ops.aten.scaled_dot_product_attention.default: _attention}
 

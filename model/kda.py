@@ -15,6 +15,7 @@ from torch import nn
 from ..ops.kda import kda_chunk, kda_step
 from ..ops.numerics import upcast
 from .config import K3Config
+from .linear import Linear
 from .norms import RMSNorm
 
 
@@ -64,22 +65,22 @@ class KimiDeltaAttention(nn.Module):
         super().__init__()
         D, H, K = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim
         self.H, self.K, self.lower_bound = H, K, cfg.gate_lower_bound
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, H * K, bias=False) for _ in range(3))
+        self.q_proj, self.k_proj, self.v_proj = (Linear(D, H * K) for _ in range(3))
         W = cfg.conv_size
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
                                                        for _ in range(3))
-        self.f_a_proj = nn.Linear(D, K, bias=False)
-        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.f_a_proj = Linear(D, K)
+        self.f_b_proj = Linear(K, H * K)
         self.dt_bias = nn.Parameter(torch.zeros(H * K))
         self.A_log = nn.Parameter(torch.zeros(max(H, K)))  # stored [128] for K3: H values, then zeros
-        self.b_proj = nn.Linear(D, H, bias=False)
+        self.b_proj = Linear(D, H)
         if cfg.kda.get("use_full_rank_gate", True):
-            self.g_proj = nn.Linear(D, H * K, bias=False)
+            self.g_proj = Linear(D, H * K)
         else:
-            self.g_a_proj = nn.Linear(D, K, bias=False)
-            self.g_b_proj = nn.Linear(K, H * K, bias=False)
+            self.g_a_proj = Linear(D, K)
+            self.g_b_proj = Linear(K, H * K)
         self.o_norm = RMSNorm(K, cfg.rms_norm_eps)
-        self.o_proj = nn.Linear(H * K, D, bias=False)
+        self.o_proj = Linear(H * K, D)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "g_proj"):

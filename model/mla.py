@@ -14,6 +14,7 @@ from torch import nn
 from ..ops.causal_attention import causal_attention
 from ..ops.numerics import upcast
 from .config import K3Config
+from .linear import Linear
 from .norms import RMSNorm
 
 LORA_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm
@@ -27,17 +28,17 @@ class GatedMLA(nn.Module):
         self.rank = cfg.kv_lora_rank
         self.scale = (self.nope + self.rope) ** -0.5
         if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(D, cfg.q_lora_rank)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (self.nope + self.rope), bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * (self.nope + self.rope))
         else:
-            self.q_proj = nn.Linear(D, H * (self.nope + self.rope), bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(D, self.rank + self.rope, bias=False)
+            self.q_proj = Linear(D, H * (self.nope + self.rope))
+        self.kv_a_proj_with_mqa = Linear(D, self.rank + self.rope)
         self.kv_a_layernorm = RMSNorm(self.rank, LORA_EPS)
-        self.kv_b_proj = nn.Linear(self.rank, H * (self.nope + self.dv), bias=False)
+        self.kv_b_proj = Linear(self.rank, H * (self.nope + self.dv))
         if cfg.mla_use_output_gate:
-            self.g_proj = nn.Linear(D, H * self.dv, bias=False)
-        self.o_proj = nn.Linear(H * self.dv, D, bias=False)
+            self.g_proj = Linear(D, H * self.dv)
+        self.o_proj = Linear(H * self.dv, D)
 
     def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q = q_b_proj(RMSNorm(q_a_proj x)) -> q_nope [B, T, H, nope], q_pe [B, T, H, rope]."""

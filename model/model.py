@@ -15,6 +15,7 @@ from torch import nn
 
 from .attnres import attn_res
 from .config import K3Config
+from .linear import Linear
 from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .moe import MoE, GatedMLP
@@ -109,7 +110,7 @@ class K3Model(nn.Module):
         if cfg.uses_attn_res:
             self.model.output_attn_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
             self.model.output_attn_res_norm = RMSNorm(cfg.hidden_size)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         # slot of each layer within its kind's state list
         kinds = cfg.layer_kinds
         self.slots = [kinds[:i].count(k) for i, k in enumerate(kinds)]

@@ -12,9 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.linear import linear
 from ..ops.mxfp4_moe import mxfp4_moe
 from ..ops.numerics import glu_act, upcast
 from .config import K3Config
+from .linear import Linear
 from .norms import RMSNorm
 
 
@@ -28,9 +30,9 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: K3Config, dim: int, hidden: int):
         super().__init__()
         self.cfg = cfg
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden)
+        self.up_proj = Linear(dim, hidden)
+        self.down_proj = Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(glu(self.cfg, self.gate_proj(x), self.up_proj(x)).to(x.dtype))
@@ -82,7 +84,7 @@ def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 def route(cfg: K3Config, x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor):
     """s = sigmoid(x W_g^T) in fp32; top-k by s + bias (bias picks, never weighs);
     w = s_idx / (sum s_idx + 1e-20) * routed_scaling_factor. Returns (idx [N, k], w [N, k] fp32)."""
-    s = torch.sigmoid(upcast(x) @ upcast(gate_weight).t())
+    s = torch.sigmoid(linear(upcast(x), gate_weight))
     idx = top_k_indices(s + upcast(bias), cfg.num_experts_per_token)
     w = s.gather(-1, idx)
     if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
@@ -109,12 +111,12 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         D, L = cfg.hidden_size, cfg.expert_input_size
-        self.gate = nn.Linear(D, cfg.num_experts, bias=False)
+        self.gate = Linear(D, cfg.num_experts)
         self.gate.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
         if cfg.is_latent_moe:
-            self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
+            self.routed_expert_down_proj = Linear(D, L)
             self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps)
-            self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+            self.routed_expert_up_proj = Linear(L, D)
         self.experts = Experts(cfg.num_experts, L, cfg.moe_intermediate_size, cfg.experts_mxfp4)
         if cfg.num_shared_experts:
             self.shared_experts = GatedMLP(cfg, D, cfg.moe_intermediate_size * cfg.num_shared_experts)

@@ -155,3 +155,45 @@ def test_mxfp4_moe_by_expert_form_matches_dequantised():
         z, idx, w = routed_tokens(n_tokens, seed=n_tokens)
         y = run(z.numpy(), idx.numpy(), w.numpy(), *(t.numpy() for t in weights))
         np.testing.assert_allclose(y, moe_reference(z, idx, w, weights), rtol=0, atol=1e-5)
+
+
+def bf16_linear_inputs(rows: int, O: int, I: int, seed: int):
+    """x [1, rows, I] f32 and a bf16 W [O, I] with widely spread magnitudes (|w| from 2^-20 to 2^6)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(O, I, generator=gen) * torch.exp2(torch.randint(-20, 6, (O, I), generator=gen).float())
+    return torch.randn(1, rows, I, generator=gen), w.to(torch.bfloat16)
+
+
+def linear_reference(x, w) -> np.ndarray:
+    """x W^T in float64 from the bf16 weights (exact in float64)."""
+    return (x.double() @ w.double().T).numpy()
+
+
+def as_numpy(w: torch.Tensor) -> np.ndarray:
+    import ml_dtypes
+    return w.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("O, I", [(48, 96), (40, 64), (16, 32)])
+def test_linear_streamed_matvec_matches_float64(O, I):
+    """One row against bf16 W, as decode runs every projection on the CPU: the streamed matvec
+    (3 tiles of 16 rows x 3 blocks of 32; a row count that is no multiple of 16; one of each)."""
+    from k3c.ops.base import TensorType
+    from k3c.ops.linear import streams
+
+    x, w = bf16_linear_inputs(1, O, I, seed=O + I)
+    assert streams([TensorType(tuple(x.shape), x.dtype), TensorType(tuple(w.shape), w.dtype)])
+    y = compile_op(torch.ops.k3.linear, (x, w))(x.numpy(), as_numpy(w))
+    ref = linear_reference(x, w)
+    scale = (x.double().abs() @ w.double().abs().T).numpy()   # sum of |x_i w_i|: the f32 rounding's scale
+    np.testing.assert_array_less(np.abs(y - ref), 1e-6 * scale + 1e-30)
+
+
+def test_linear_rows_dynamic_matches_float64():
+    """A dynamic row count (prefill) takes the widen-then-matmul lowering; 1 and 37 rows from one module."""
+    x, w = bf16_linear_inputs(5, 40, 96, seed=7)
+    run = compile_op(torch.ops.k3.linear, (x, w), ({1: Dim("T", min=1, max=512)}, None))
+    for rows in (1, 37):
+        x, _ = bf16_linear_inputs(rows, 40, 96, seed=rows)
+        scale = (x.double().abs() @ w.double().abs().T).numpy()
+        np.testing.assert_array_less(np.abs(run(x.numpy(), as_numpy(w)) - linear_reference(x, w)), 1e-6 * scale + 1e-30)

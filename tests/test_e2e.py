@@ -142,6 +142,13 @@ def module_outline(text: str) -> tuple[dict[str, list], list[tuple[str, str, boo
     return inputs, calls
 
 
+def function_text(text: str, name: str) -> str:
+    """The text of ``func.func @name`` in a printed module (up to the next function)."""
+    start = text.index(f"func.func private @{name}(")
+    end = text.find("func.func", start + 1)
+    return text[start:end if end >= 0 else len(text)]
+
+
 def barred_positions(text: str) -> tuple[int, int]:
     """Of a lowered module: how many calls of a layer body in the public functions (the entry points)
     take both positions (``at`` and the index j) through util.optimization_barrier, and how many do
@@ -221,6 +228,14 @@ def test_emit_mlir_custom_ops_then_their_implementations(k3c_cache, tmp_path):
     assert hoisted and max(hoisted) < cfg.hidden_size, hoisted
     assert len(called("body_kda_moe_prefill", "k3_kda_chunk_")) == 1
     assert len(called("body_kda_moe_decode", "k3_kda_step_")) == 1
+    # every projection of a decode step reads its bf16 weight through the streamed matvec (ops/linear.py),
+    # the prompt's are matmuls, and so is none of the rest
+    for g in groups:
+        prompt = "prefill" if g.attention == "kda" else "start"
+        decode, prefill = (set(called(f"body_{g.name}_{form}", "k3_linear_")) for form in ("decode", prompt))
+        assert decode and all("flow.tensor.bitcast" in function_text(after, f) for f in decode), g.name
+        assert prefill and not any("flow.tensor.bitcast" in function_text(after, f) for f in prefill), g.name
+    assert ["flow.tensor.bitcast" in function_text(after, f) for f in set(called("decode", "k3_linear_"))] == [True]
 
     (impl,) = set(called("body_kda_moe_prefill", "k3_kda_chunk_"))
     H, K = cfg.kda_heads, cfg.kda_head_dim

@@ -1,0 +1,78 @@
+"""``k3::linear``, y = x W^T with W at the dtype it is stored in (bf16): the projections of the trunk
+(docs/pipeline.md §6), the op and its lowerings. The model's ``Linear`` layers call it, so a compiled
+program reads each weight as stored and widens it where it is multiplied.
+
+    default   traced from PyTorch: W widened to x's dtype, then a matmul (IREE fuses the widening
+              into the matmul's dispatch)
+    llvm-cpu  one row of x (a decode step) against bf16 W: the streamed matvec
+              (templates/bf16_matvec.mlir), W read where it lies as i32 words of two bf16, 16 partial
+              sums per row with the vector lanes on a parallel dim. On an AMD EPYC (Zen 5, one thread,
+              2026-12-02) IREE's default matvec of the same operands read W at 10-12 GB/s (0.25-0.3x
+              copy bandwidth), this one at 26-32 GB/s. Every other shape: the default.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .base import NAMESPACE, CustomOp, Lowering, TensorType, require
+from .mlir import render
+from .trace import trace_to_linalg
+
+LANES = 16   # partial sums per row: words (bf16 pairs) of a 32-element block
+
+
+@torch.library.custom_op(f"{NAMESPACE}::linear", mutates_args=())
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x [..., in] @ weight [out, in]^T -> [..., out] in x's dtype; the weight in any float dtype."""
+    return F.linear(x, weight.to(x.dtype))
+
+
+@linear.register_fake
+def _linear_fake(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def check(ins: list[TensorType]) -> None:
+    op = "linear"
+    require(len(ins) == 2, op, f"takes x and weight, got {len(ins)} tensors")
+    x, w = ins
+    require(x.dtype.is_floating_point and w.dtype.is_floating_point and len(w.shape) == 2 and len(x.shape) >= 1
+            and None not in w.shape and x.shape[-1] == w.shape[1], op,
+            f"wants x [..., in] and a float weight [out, in] (static); got x {x.describe()}, weight {w.describe()}")
+
+
+def traced(sym: str, ins: list[TensorType], consts: list) -> list[str]:
+    """The PyTorch reference traced: any shape, dtypes and dynamic sizes."""
+    check(ins)
+    x, w = ins
+    x = TensorType(tuple(f"d{i}" if d is None else d for i, d in enumerate(x.shape)), x.dtype)
+    return [trace_to_linalg(lambda a, b: F.linear(a, b.to(a.dtype)), [x, w], sym)]
+
+
+def streams(ins: list[TensorType]) -> bool:
+    """Whether the streamed matvec takes these operands: one static row of f32 x, bf16 W [O, in],
+    in a multiple of 32."""
+    x, w = ins
+    return (None not in x.shape and math.prod(x.shape[:-1]) == 1 and x.dtype == torch.float32
+            and w.dtype == torch.bfloat16 and w.shape[1] % (2 * LANES) == 0)
+
+
+def streamed(sym: str, ins: list[TensorType], consts: list) -> list[str]:
+    """For llvm-cpu: the streamed matvec where it applies (``streams``), else ``traced``."""
+    check(ins)
+    if not streams(ins):
+        return traced(sym, ins, consts)
+    x, w = ins
+    (O, IN), lead = w.shape, [str(d) for d in x.shape[:-1]]
+    return [render("bf16_matvec.mlir", name=sym, O=O, IN=IN, B=IN // (2 * LANES), LANES=LANES, lead=lead)]
+
+
+LINEAR = CustomOp("linear", {
+    "default": Lowering(traced, "x W^T: W widened to x's dtype, then a matmul"),
+    "llvm-cpu": Lowering(streamed, "one row against bf16 W: W streamed as words of two bf16, 16 partial sums "
+                                   "per row; else widened, then a matmul"),
+})
