@@ -3,9 +3,16 @@
 stored in and each target multiplies it its own way."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from ..ops.linear import linear
+from ..ops.linear import linear, reference
+
+
+def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T: exported, the op; run eagerly, the op's reference without a custom op's dispatch (which
+    cost 2.4% of an eager k3-small decode step)."""
+    return linear(x, weight) if torch.compiler.is_exporting() else reference(x, weight)
 
 
 class Linear(nn.Linear):
@@ -13,4 +20,4 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x):
-        return linear(x, self.weight)
+        return project(x, self.weight)

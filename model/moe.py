@@ -12,11 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.linear import linear
 from ..ops.mxfp4_moe import mxfp4_moe
 from ..ops.numerics import glu_act, upcast
 from .config import K3Config
-from .linear import Linear
+from .linear import Linear, project
 from .norms import RMSNorm
 
 
@@ -84,7 +83,7 @@ def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 def route(cfg: K3Config, x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor):
     """s = sigmoid(x W_g^T) in fp32; top-k by s + bias (bias picks, never weighs);
     w = s_idx / (sum s_idx + 1e-20) * routed_scaling_factor. Returns (idx [N, k], w [N, k] fp32)."""
-    s = torch.sigmoid(linear(upcast(x), gate_weight))
+    s = torch.sigmoid(project(upcast(x), gate_weight))
     idx = top_k_indices(s + upcast(bias), cfg.num_experts_per_token)
     w = s.gather(-1, idx)
     if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
