@@ -14,11 +14,12 @@ from .base import TensorType
 
 
 def example(t: TensorType, dynamic_size: int, int_high: int) -> torch.Tensor:
-    """A tensor of type ``t``, each dynamic size ``dynamic_size``: floats random normal, integers in
+    """A tensor of type ``t``, each dynamic size ``dynamic_size``: floats uninitialised (tracing reads
+    no value, and pages never touched cost no memory: K3's LM head is 2.3 GB), integers in
     [0, int_high) (e.g. valid expert ids)."""
     shape = [d if isinstance(d, int) else dynamic_size for d in t.shape]
     if t.dtype.is_floating_point:
-        return torch.randn(shape, dtype=t.dtype)
+        return torch.empty(shape, dtype=t.dtype)
     return torch.randint(0, int_high, shape, dtype=t.dtype)
 
 

@@ -285,10 +285,12 @@ def test_custom_ops_on_vulkan_match_independent_references(fla_naive):
     np.testing.assert_allclose(read_back(prefill, S), S_ref.numpy(), rtol=0, atol=1e-4)
 
 
-def routing_module(E: int, k: int, D: int = 64) -> str:
-    """model/moe.py ``route`` over a dynamic number of tokens, exported and imported the way the model is."""
+def routing_module(E: int, k: int, target, D: int = 64) -> str:
+    """model/moe.py ``route`` over a dynamic number of tokens, exported, imported and lowered for
+    ``target`` the way the model is (the router's projection is k3::linear)."""
     from k3c.model import K3Config
     from k3c.model.moe import route
+    from k3c.passes.pipeline import Pipeline
 
     cfg = K3Config(num_experts=E, num_experts_per_token=k, hidden_size=D)
 
@@ -302,10 +304,12 @@ def routing_module(E: int, k: int, D: int = 64) -> str:
     importer = FxImporter(context=context)
     with context:
         importer.import_program(decompose(program, get_decomposition_table()), func_name="main")
+    Pipeline.for_target(target).run(importer.module, log=lambda _: None)
     return str(importer.module)
 
 
 @pytest.mark.slow  # compiles for a device this host may not have
 def test_routing_over_k3_experts_compiles_for_cuda():
     """K3's 896 experts, top-16: IREE 3.13's CUDA backend failed to distribute an argmax this wide."""
-    assert b"cuda-nvptx-fb" in compile_mlir(routing_module(896, 16), parse_target("cuda:sm_80"), log=lambda _: None)
+    target = parse_target("cuda:sm_80")
+    assert b"cuda-nvptx-fb" in compile_mlir(routing_module(896, 16, target), target, log=lambda _: None)
