@@ -149,9 +149,10 @@ class LayerBody(nn.Module):
         self.group = group
         layers = model.model.layers
         self.names = list(self.step.layer.state_dict())
-        self.dtypes = [t.dtype for t in self.step.layer.state_dict().values()]
-        # a Linear layer's weight is multiplied at its stored dtype (k3::linear, ops/linear.py)
-        self.widened = [not _linear_weight(self.step.layer, name) for name in self.names]
+        # the dtype each weight is widened to after slicing; None for a Linear layer's weight, which
+        # k3::linear multiplies at its stored dtype (ops/linear.py)
+        self.widen_to = [None if _linear_weight(self.step.layer, name) else t.dtype
+                         for name, t in self.step.layer.state_dict().items()]
         for i, name in enumerate(self.names):
             parts = [layers[l].state_dict()[name] for l in group.layers]
             dtype = (stored or {}).get(stacked_name(group.name, name), parts[0].dtype)
@@ -167,8 +168,10 @@ class LayerBody(nn.Module):
     def forward(self, E, at, j, *state):
         torch._check(j >= 0)
         torch._check(j < len(self.group.layers))
-        weights = {f"layer.{name}": self.layer_slice(i, name, j).squeeze(0) for i, name in enumerate(self.names)}
-        weights = {k: w.to(dtype) if widen else w for (k, w), dtype, widen in zip(weights.items(), self.dtypes, self.widened)}
+        weights = {}
+        for i, (name, dtype) in enumerate(zip(self.names, self.widen_to)):
+            w = self.layer_slice(i, name, j).squeeze(0)
+            weights[f"layer.{name}"] = w if dtype is None else w.to(dtype)
         return torch.func.functional_call(self.template, weights, (E, at, *state), strict=True)
 
     def layer_slice(self, i: int, name: str, j) -> Tensor:
