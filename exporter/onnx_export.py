@@ -62,25 +62,19 @@ def _mxfp4_moe(z, idx, w, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w
                               act=act, beta1=beta1, beta2=beta2)
 
 
-def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """softmax(q k^T scale, masked) v for the 4-D q, k, v and boolean mask of the MLA prefill, k^T
-    by a Transpose. torch.onnx's own translation transposes k through a Reshape to [-1, L, E]
-    whose leading size ONNX shape inference leaves unknown, and IREE 3.13 lowers that Reshape to
-    a failing assertion ("mismatching contracting dimension") at run time."""
-    if attn_mask is None or scale is None or is_causal or dropout_p or enable_gqa:
-        raise NotImplementedError("k3c exports scaled_dot_product_attention only with a boolean mask and a scale")
-    scores = op.Mul(op.MatMul(query, op.Transpose(key, perm=[0, 1, 3, 2])), op.CastLike(scale, query))
-    scores = op.Where(attn_mask, scores, op.CastLike(float("-inf"), query))
-    return op.MatMul(op.Softmax(scores, axis=-1), value)
-
-
 def _causal_attention(q, k, v, scale):
-    """torch.ops.k3.causal_attention (q, k, v [B, T, H, D]) in plain ONNX ops, the causal mask
-    s <= t built from the token count: ONNX importers lower it like the masked attention above."""
+    """torch.ops.k3.causal_attention (q [B, T, H, D], k, v [B, L, H, D]) in plain ONNX ops, the mask
+    s <= L - T + t built from the two lengths, k^T by a Transpose (torch.onnx's own attention
+    transposes k through a Reshape to [-1, L, E] whose leading size ONNX shape inference leaves
+    unknown, and IREE 3.13 lowers that Reshape to a failing assertion, "mismatching contracting
+    dimension", at run time)."""
     qh, kh, vh = (op.Transpose(t, perm=[0, 2, 1, 3]) for t in (q, k, v))
     scores = op.Mul(op.MatMul(qh, op.Transpose(kh, perm=[0, 1, 3, 2])), op.CastLike(scale, q))
-    pos = op.Range(op.Constant(value_int=0), op.Squeeze(op.Shape(q, start=1, end=2)), op.Constant(value_int=1))
-    mask = op.LessOrEqual(op.Unsqueeze(pos, op.Constant(value_ints=[0])), op.Unsqueeze(pos, op.Constant(value_ints=[1])))
+    T, L = (op.Squeeze(op.Shape(t, start=1, end=2)) for t in (q, k))
+    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+    rows = op.Add(op.Range(zero, T, one), op.Sub(L, T))
+    cols = op.Range(zero, L, one)
+    mask = op.LessOrEqual(op.Unsqueeze(cols, op.Constant(value_ints=[0])), op.Unsqueeze(rows, op.Constant(value_ints=[1])))
     scores = op.Where(mask, scores, op.CastLike(float("-inf"), q))
     return op.Transpose(op.MatMul(op.Softmax(scores, axis=-1), vh), perm=[0, 2, 1, 3])
 
@@ -91,8 +85,7 @@ def _linear(x, weight):
 
 
 TRANSLATIONS = {torch.ops.k3.linear.default: _linear, torch.ops.k3.kda_chunk.default: _kda_chunk, torch.ops.k3.kda_step.default: _kda_step,
-                torch.ops.k3.mxfp4_moe.default: _mxfp4_moe, torch.ops.k3.causal_attention.default: _causal_attention,
-                torch.ops.aten.scaled_dot_product_attention.default: _attention}
+                torch.ops.k3.mxfp4_moe.default: _mxfp4_moe, torch.ops.k3.causal_attention.default: _causal_attention}
 
 
 def checkpoint_tensors(directory: Path, base: Path) -> dict[str, ir.ExternalTensor]:

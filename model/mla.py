@@ -8,7 +8,6 @@ Prefill expands keys and values from the latent (naive form); decode attends in 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..ops.causal_attention import causal_attention
@@ -69,27 +68,20 @@ class GatedMLA(nn.Module):
             before = latent[:, :0] if first else cache.to(x.dtype)
             o = self.attend_absorbed(q_nope, q_pe, before, latent)
         else:
-            o = self.attend_naive(q_nope, q_pe, latent if first else torch.cat((cache.to(x.dtype), latent), dim=1),
-                                  first)
+            o = self.attend_naive(q_nope, q_pe, latent if first else torch.cat((cache.to(x.dtype), latent), dim=1))
         return self.finish(x, o.to(x.dtype)), latent
 
-    def attend_naive(self, q_nope, q_pe, cache, first: bool = False):
-        """Expand per-head keys/values from the latent; causal softmax over all cached tokens.
-        ``first``: the cache holds only these T tokens (a prefill from the start), whose attention
-        is the k3 causal_attention op (its own lowering per target)."""
-        B, T, H, _ = q_nope.shape
-        L = cache.shape[1]
+    def attend_naive(self, q_nope, q_pe, cache):
+        """Expand per-head keys/values from the latent rows ``cache`` (the L - T before these T
+        tokens, then theirs); causal softmax over them, query t at position L - T + t seeing keys up
+        to it: the k3 causal_attention op (its own lowering per target)."""
+        B, L = cache.shape[:2]
+        H = self.H
         c_n, k_pe = cache.split((self.rank, self.rope), dim=-1)
         k_nope, v = self.kv_b_proj(c_n).view(B, L, H, -1).split((self.nope, self.dv), dim=-1)
         key = torch.cat((k_nope, k_pe.unsqueeze(2).expand(B, L, H, self.rope)), dim=-1)
         query = torch.cat((q_nope, q_pe), dim=-1)
-        if first:
-            return causal_attention(upcast(query), upcast(key), upcast(v), self.scale)
-        # query t sits at absolute position L - T + t and sees keys up to it
-        mask = torch.ones(T, L, dtype=torch.bool, device=cache.device).tril(L - T)
-        o = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, scale=self.scale)
-        return o.transpose(1, 2)
+        return causal_attention(upcast(query), upcast(key), upcast(v), self.scale)
 
     def attend_absorbed(self, q_nope, q_pe, before, latent):
         """MQA over the latent: q_lat,h = W_UK,h^T q_nope,h; score = (q_lat.c + q_pe.k_pe) * scale;

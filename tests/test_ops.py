@@ -106,8 +106,11 @@ def test_kda_chunk_refuses_mixed_dtypes_and_causal_attention_mismatched_keys():
                                       r"got q \[1, 8, 2, 16\] float32, .*v \[1, 8, 2, 16\] bfloat16"):
         Pipeline().run(imported(kda.kda_chunk, kda_args), log=lambda _: None)
     attention = imported(causal_attention.causal_attention, (q, torch.randn(1, 8, 2, 12), torch.randn(1, 8, 2, 4), 0.25))
-    with pytest.raises(K3Error, match=r"^passes: causal_attention: wants q, k \[B, T, H, Dq\] .*k \[1, 8, 2, 12\] float32"):
+    with pytest.raises(K3Error, match=r"^passes: causal_attention: wants q \[B, T, H, Dq\], k \[B, L, H, Dq\] .*k \[1, 8, 2, 12\] float32"):
         Pipeline().run(attention, log=lambda _: None)
+    heads = imported(causal_attention.causal_attention, (q, torch.randn(1, 9, 3, 16), torch.randn(1, 9, 3, 4), 0.25))
+    with pytest.raises(K3Error, match=r"^passes: causal_attention: wants .*k \[1, 9, 3, 16\] float32"):
+        Pipeline().run(heads, log=lambda _: None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -1,13 +1,14 @@
 {#- torch.k3.causal_attention as a loop over static query blocks of `block` rows (ops/causal_attention.py):
-    q, k, v [B, T, H, D] padded to Tp = ceil(T / block) block rows and transposed once to [B H, Tp, D],
-    kept out of the loop by util.optimization_barrier (the padded length re-tied to the result by
-    flow.tensor.tie_shape); @{{sym}}_block attends a block's queries to the keys up to its end. -#}
-{% macro to_heads(x, t, D) %}
+    q [B, T, H, D] and k, v [B, L, H, D] padded by the same %pad rows (T + %pad = Tp = ceil(T / block)
+    block) and transposed once to [B H, Tp | Lp, D], kept out of the loop by util.optimization_barrier
+    (the padded lengths re-tied to the result by flow.tensor.tie_shape); @{{sym}}_block attends a
+    block's queries to the keys up to its end, L - T + off + block. -#}
+{% macro to_heads(x, t, D, n) %}
     %{{ x }}p = tensor.pad %{{ x }} low[0, 0, 0, 0] high[0, %pad, 0, 0] {
     ^bb0(%{{ x }}0: index, %{{ x }}1: index, %{{ x }}2: index, %{{ x }}3: index):
       tensor.yield %zero : {{ element }}
     } : {{ t }} to {{ t }}
-    %{{ x }}e = tensor.empty(%Tp) : tensor<{{ B }}x{{ H }}x?x{{ D }}x{{ element }}>
+    %{{ x }}e = tensor.empty(%{{ n }}) : tensor<{{ B }}x{{ H }}x?x{{ D }}x{{ element }}>
     %{{ x }}t = linalg.transpose ins(%{{ x }}p : {{ t }}) outs(%{{ x }}e : tensor<{{ B }}x{{ H }}x?x{{ D }}x{{ element }}>) permutation = [0, 2, 1, 3]
     %{{ x }}h0 = tensor.collapse_shape %{{ x }}t [[0, 1], [2], [3]] : tensor<{{ B }}x{{ H }}x?x{{ D }}x{{ element }}> into tensor<{{ N }}x?x{{ D }}x{{ element }}>
 {% endmacro %}
@@ -24,18 +25,22 @@ module {
     %cB1 = arith.constant {{ block - 1 }} : index
     %zero = arith.constant 0.0 : {{ element }}
     %T = tensor.dim %q, %c1 : {{ q }}
+    %Lk = tensor.dim %k, %c1 : {{ k }}
+    %before = arith.subi %Lk, %T : index
     %T1 = arith.addi %T, %cB1 : index
     %nb = arith.divui %T1, %cB : index
     %Tp = arith.muli %nb, %cB : index
     %pad = arith.subi %Tp, %T : index
-{{ to_heads("q", q, Dq) }}{{ to_heads("k", k, Dq) }}{{ to_heads("v", v, Dv) }}
+    %Lp = arith.addi %Lk, %pad : index
+{{ to_heads("q", q, Dq, "Tp") }}{{ to_heads("k", k, Dq, "Lp") }}{{ to_heads("v", v, Dv, "Lp") }}
     %qb0, %kb0, %vb0 = util.optimization_barrier %qh0, %kh0, %vh0 : {{ kd }}, {{ kd }}, {{ vd }}
     %qh = flow.tensor.tie_shape %qb0 : {{ kd }}{{ "{%Tp}" }}
-    %kh = flow.tensor.tie_shape %kb0 : {{ kd }}{{ "{%Tp}" }}
-    %vh = flow.tensor.tie_shape %vb0 : {{ vd }}{{ "{%Tp}" }}
+    %kh = flow.tensor.tie_shape %kb0 : {{ kd }}{{ "{%Lp}" }}
+    %vh = flow.tensor.tie_shape %vb0 : {{ vd }}{{ "{%Lp}" }}
     %init = tensor.empty(%Tp) : {{ od }}
     %res = scf.for %off = %c0 to %Tp step %cB iter_args(%acc = %init) -> ({{ od }}) {
-      %L = arith.addi %off, %cB : index
+      %end = arith.addi %off, %cB : index
+      %L = arith.addi %before, %end : index
       %qs = tensor.extract_slice %qh[0, %off, 0] [{{ N }}, {{ block }}, {{ Dq }}] [1, 1, 1] : {{ kd }} to {{ qb }}
       %ks = tensor.extract_slice %kh[0, 0, 0] [{{ N }}, %L, {{ Dq }}] [1, 1, 1] : {{ kd }} to {{ kd }}
       %vs = tensor.extract_slice %vh[0, 0, 0] [{{ N }}, %L, {{ Dv }}] [1, 1, 1] : {{ vd }} to {{ vd }}
