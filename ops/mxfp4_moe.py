@@ -161,10 +161,14 @@ def _group(n_experts: int, ranged: bool = False):
 
 
 def _combine(ys, dest, w):
-    """y[n] = sum_i w[n, i] ys[dest[n, i]]; ys [N, k, D] in expert order."""
-    N, k, D = ys.shape
-    picked = ys.flatten(0, 1)[dest.flatten()].view(N, k, D)
-    return (picked * w.unsqueeze(-1)).sum(1)
+    """y[n] = sum_i w[n, i] ys[dest[n, i]]; ys [N, k, D] in expert order. A sum of k row gathers,
+    which IREE fuses into one elementwise op (gathering [N, k, D] first, then reducing over k, wrote
+    and read back k rows per token)."""
+    rows = ys.flatten(0, 1)
+    y = rows[dest[:, 0]] * w[:, :1]
+    for i in range(1, dest.shape[1]):
+        y = y + rows[dest[:, i]] * w[:, i:i + 1]
+    return y
 
 
 def traced_expert(ffn):
