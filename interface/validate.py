@@ -52,7 +52,7 @@ def compare(step: str, got: np.ndarray, ref: np.ndarray, tol: float) -> StepResu
     top5 = float(np.mean([len(set(a) & set(b)) / 5 * ok for a, b, ok in zip(g5, r5, rows)]))
     finite = bool(rows.all())
     return StepResult(step, float(err), float(err / np.abs(ref).max()), cos, top1, top5,
-                      finite and err <= tol and top1 == 1.0, finite)
+                      bool(finite and err <= tol and top1 == 1.0), finite)
 
 
 def first_non_finite(steps: list[StepResult]) -> str | None:

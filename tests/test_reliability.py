@@ -409,6 +409,19 @@ def test_validate_names_first_non_finite_step_and_layer(bundle_copy):
     assert "│ 1.000 │" not in r.stdout.split("prefill", 1)[1].splitlines()[0]  # NaN rows agree on no token
 
 
+def test_failed_step_writes_json():
+    """A step over the tolerance with finite logits (the case numpy's comparison leaves a numpy
+    bool in) is a FAIL that ``validate --json`` can write."""
+    import json
+    from dataclasses import asdict
+    from k3c.interface.validate import compare
+    ref = np.array([[1.0, 2.0, 3.0]])
+    failed = compare("prefill", ref + 1e-3, ref, 1e-4)
+    assert failed.passed is False and failed.max_abs == pytest.approx(1e-3)
+    assert json.loads(json.dumps(asdict(failed)))["passed"] is False
+    assert compare("prefill", ref + 1e-5, ref, 1e-4).passed is True
+
+
 # ---- 9, 10. messages -------------------------------------------------------------------------
 @pytest.mark.parametrize("ids, words", [("1,,2", "empty item"), ("99999999999999999999999", "not a token id"),
                                         ("", "empty item")])
