@@ -189,8 +189,8 @@ def test_linear_streamed_matvec_matches_float64(O, I):
     np.testing.assert_array_less(np.abs(y - ref), 1e-6 * scale + 1e-30)
 
 
-@pytest.mark.parametrize("O, lead, f32_weight", [(48, 3, False), (32, 2, True), (40, 3, False)])
-def test_linear_rows_dynamic_matches_float64(O, lead, f32_weight):
+@pytest.mark.parametrize("O, rank, f32_weight", [(48, 3, False), (32, 2, True), (40, 3, False)])
+def test_linear_rows_dynamic_matches_float64(O, rank, f32_weight):
     """A dynamic row count (prefill): on the CPU one 16x16x1 mmt4d (O = 48: 3 tiles of 16 outputs;
     x [1, T, I] as the layers pass it, or [T, I] with an f32 W as the MoE block does), else (O = 40)
     the widen-then-matmul lowering; 1, 16 and 37 rows (a padded tile, one whole, three) from one module."""
@@ -202,9 +202,9 @@ def test_linear_rows_dynamic_matches_float64(O, lead, f32_weight):
         return (x[0], w.float()) if f32_weight else (x, w)
 
     x, w = inputs(5, 7)
-    shape = tuple(None if i == lead - 2 else d for i, d in enumerate(x.shape))
+    shape = tuple(None if i == rank - 2 else d for i, d in enumerate(x.shape))
     assert tiles([TensorType(shape, x.dtype), TensorType(tuple(w.shape), w.dtype)]) == (O % 16 == 0)
-    run = compile_op(torch.ops.k3.linear, (x, w), ({lead - 2: Dim("T", min=1, max=512)}, None))
+    run = compile_op(torch.ops.k3.linear, (x, w), ({rank - 2: Dim("T", min=1, max=512)}, None))
     for rows in (1, 16, 37):
         x, _ = inputs(rows, rows)
         scale = (x.double().abs() @ w.double().abs().T).numpy()
