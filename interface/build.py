@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import resource
 import shutil
@@ -34,7 +33,7 @@ from ..model.stacking import to_checkpoint
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
 from ..compiler.targets import Target, compile_mlir
-from ..utils.files import atomic_dir, check_output, hash_dir, seal_entry, verified_entry
+from ..utils.files import atomic_dir, cache_dir, check_output, hash_dir, seal_entry, verified_entry
 from ..artifacts.pack import ParameterTable, checkpoint_table, first_table_difference, pack, read_archive, verify_archive
 from ..artifacts.bundle import (ARCHIVE, ENTRY_POINTS, FORMAT, MODULE, REFERENCE, Bundle, Manifest, check_archive_fits,
                                 first_difference, module_facts, open_bundle, open_module, package_versions, seal)
@@ -58,17 +57,13 @@ class Compiled:
     key: str
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("K3C_CACHE", Path.home() / ".cache" / "k3c"))
-
-
 def source_hash(dirs: tuple[str, ...] = COMPILE_SOURCES) -> str:
     """Hash of the code in ``dirs`` (the code and the MLIR templates that shape a cached module), so a
     change misses the cache."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for d in dirs:
-        for f in sorted(p for pattern in ("*.py", "*.mlir") for p in (root / d).rglob(pattern)):
+        for f in sorted(p for pattern in ("*.py", "*.mlir", "*.c") for p in (root / d).rglob(pattern)):
             h.update(f.read_bytes())
     return h.hexdigest()
 

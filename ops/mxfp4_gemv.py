@@ -1,16 +1,26 @@
 """The streamed MXFP4 kernel: matrix-vector products on the CPU that stream the packed weights (docs/model.md §5), for the decode
-form of ``torch.k3.mxfp4_moe`` on llvm-cpu (mxfp4_moe.py): the checkpoint layout as it is, no repack, no dequantised copy.
+form of ``torch.k3.mxfp4_moe`` on llvm-cpu (mxfp4_moe.py): the checkpoint layout as it is, no repack, no dequantised copy,
+expert e's matrix read in place from the stacked weights [E, O, ...].
 
     y[o] = sum_b 2^(S[o, b] - 127) * sum_j (E2M1[P[o, b, j] & 15] x[32b + 2j] + E2M1[P[o, b, j] >> 4] x[32b + 2j + 1])
 
 P [O, in/32, 16] u8 is ``weight_packed`` seen block by block, S [O, in/32] u8 ``weight_scale``.
-One ``linalg.generic`` keeps 16 partial sums per row, one per byte position j of a block, and
-reduces over the blocks b; a second sums the 16. The vector lanes sit on j, a parallel dim, so
-the loop over b needs no horizontal sum per step (../shared/notes/mxfp4-cpu.md: lanes on the
-reduction ran at 0.1x a bf16 matvec). The activation is split once into its even and odd elements,
-``xe[b, j] = x[32b + 2j]`` and ``xo[b, j] = x[32b + 2j + 1]``, in its own small op.
+Three forms, by ``decode``:
 
-Decoding a nibble c, two ways (no table: a gather does not vectorise):
+- ``native`` (``cpu``, where kernels/mxfp4_rows.c builds: a C compiler and AVX-512F here, every
+  input width a multiple of 128; else ``f16``): one dispatch calling the C kernel, linked in as an
+  object (native.py, templates/mxfp4_native_gemv.mlir). It reads 64 bytes of a row as 16 dwords and
+  decodes each of their 8 nibbles with one shift and one ``vpermps`` from the 16 E2M1 values held
+  in a register: the instruction IREE 3.13 cannot emit from a table lookup (a ``tensor.extract``
+  from a constant table is scalarised). The activation is permuted once per call to
+  ``xt[c, n, l] = x[128c + 8l + n]`` (templates/mxfp4_native_split.mlir).
+- ``f16`` and ``int``: one ``linalg.generic`` keeps 16 partial sums per row, one per byte position
+  j of a block, and reduces over the blocks b; a second sums the 16. The vector lanes sit on j, a
+  parallel dim, so the loop over b needs no horizontal sum per step (../shared/notes/mxfp4-cpu.md:
+  lanes on the reduction ran at 0.1x a bf16 matvec). The activation is split once into its even
+  and odd elements, ``xe[b, j] = x[32b + 2j]`` and ``xo[b, j] = x[32b + 2j + 1]``, in its own small op.
+
+Decoding a nibble c in the linalg forms (no table: a gather does not vectorise there):
 
 - ``f16`` (targets with F16C, ``cpu``): c moved to bits 15:12 of an i16, shifted right
   arithmetically by 3 and masked with 0x8E00 is the f16 pattern of E2M1[c] * 2^-14 (the sign
@@ -37,35 +47,70 @@ overflows there.
 """
 from __future__ import annotations
 
+from . import native
 from .mlir import render, standalone
 
 LANES = 16                       # bytes of a 32-element block = partial sums per row
 FOLDS = {"f16": 16384.0, "int": 1.0}   # per nibble decode, the factor the activation carries (f16: 2^14)
+NATIVE_ROWS = 64                 # rows per workgroup of the native kernel
 
 
-def gemv(name: str, out_dim: int, in_dim: int, decode: str) -> str:
-    """``func @name(P [1, O, in/2] i8, S [1, O, in/32] i8, xe [in/32, 16], xo [in/32, 16]) -> [1, O]``
-    (templates/mxfp4_gemv.mlir), the lanes pinned by a ``compilation_info`` (llvm-cpu)."""
-    return render("mxfp4_gemv.mlir", name=name, O=out_dim, IN=in_dim, B=in_dim // 32, LANES=LANES, decode=decode)
+def native_object(in_dims: tuple[int, ...]) -> str | None:
+    """The object of the native kernel (ops/native.py) where every input width is a whole number
+    of its 128-weight chunks and it builds here, else None."""
+    if any(d % 128 for d in in_dims):
+        return None
+    built = native.object_file("mxfp4_rows")
+    return None if built is None else str(built)
+
+
+def form(decode: str, in_dims: tuple[int, ...]) -> str:
+    """The decode a matvec over ``in_dims`` gets: "native" falls back to "f16" where
+    ``native_object`` is None."""
+    return "f16" if decode == "native" and native_object(in_dims) is None else decode
+
+
+def gemv(name: str, experts: int, out_dim: int, in_dim: int, decode: str) -> str:
+    """``func @name(P [E, O, in/2] i8, S [E, O, in/32] i8, e: index, *activation) -> [1, O]``: expert
+    e's matrix of the stacked weights, read in place, times the activation
+    as ``split`` gives it: ``xe, xo [in/32, 16]`` for "f16" and "int" (templates/mxfp4_gemv.mlir,
+    the lanes pinned by a ``compilation_info``), ``xt [in/128, 8, 16]`` for "native"
+    (templates/mxfp4_native_gemv.mlir)."""
+    if decode == "native":
+        return render("mxfp4_native_gemv.mlir", name=name, E=experts, O=out_dim, IN=in_dim, object=native_object((in_dim,)),
+                      ROWS=NATIVE_ROWS, GROUPS=-(-out_dim // NATIVE_ROWS))
+    return render("mxfp4_gemv.mlir", name=name, E=experts, O=out_dim, IN=in_dim, B=in_dim // 32, LANES=LANES, decode=decode)
 
 
 def split(name: str, width: int, decode: str) -> str:
-    """``func @name(x [1, width]) -> (xe, xo [width/32, 16])`` (templates/mxfp4_split.mlir)."""
+    """``func @name(x [1, width]) -> activation`` (templates/mxfp4_split.mlir, mxfp4_native_split.mlir)."""
+    if decode == "native":
+        return render("mxfp4_native_split.mlir", name=name, width=width)
     return render("mxfp4_split.mlir", name=name, width=width, B=width // 32, LANES=LANES, fold=FOLDS[decode])
 
 
-def expert_slot(name: str, act_name: str, axpy_name: str, L: int, I: int, decode: str) -> list[str]:
-    """``func @name(a [1, L], z [1, L], ws [1, 1], w1p, w1s, w3p, w3s, w2p, w2s) -> a + ws * FFN(z)``
-    for one expert sliced [1, out, ...] from the stacked weights (templates/mxfp4_expert_slot.mlir);
+def activation(width: int, decode: str) -> list[str]:
+    """The types of the activation ``split`` gives a matvec over ``width`` inputs."""
+    if decode == "native":
+        return [f"tensor<{width // 128}x8x16xf32>"]
+    return [f"tensor<{width // 32}x{LANES}xf32>"] * 2
+
+
+def expert_slot(name: str, act_name: str, axpy_name: str, E: int, L: int, I: int, decode: str) -> list[str]:
+    """``func @name(a [1, L], z [1, L], ws [1, 1], e: index, w1p, w1s, w3p, w3s, w2p, w2s) -> a + ws *
+    FFN_e(z)`` for expert e of the stacked weights [E, out, ...] (templates/mxfp4_expert_slot.mlir);
     ``act_name(g, u)`` and ``axpy_name(a, ws, y)`` are defined elsewhere (traced from PyTorch)."""
-    wrapper = render("mxfp4_expert_slot.mlir", name=name, act=act_name, axpy=axpy_name, L=L, I=I, LANES=LANES)
+    decode = form(decode, (L, I))
+    wrapper = render("mxfp4_expert_slot.mlir", name=name, act=act_name, axpy=axpy_name, E=E, L=L, I=I,
+                     xl=activation(L, decode), xi=activation(I, decode))
     return [split(f"{name}_split_in", L, decode), split(f"{name}_split_hid", I, decode),
-            gemv(f"{name}_up", I, L, decode), gemv(f"{name}_down", L, I, decode), wrapper]
+            gemv(f"{name}_up", E, I, L, decode), gemv(f"{name}_down", E, L, I, decode), wrapper]
 
 
 def matvec_module(out_dim: int, in_dim: int, decode: str) -> str:
     """A module whose public ``main(P [1, O, in/2] i8, S [1, O, in/32] i8, x [1, in]) -> [1, O]`` is
     one matvec as the expert FFN runs it (split, then gemv): for tests and the bench."""
-    main = render("mxfp4_matvec.mlir", O=out_dim, IN=in_dim, LANES=LANES)
-    return standalone([split("split", in_dim, decode), gemv("gemv", out_dim, in_dim, decode), main], "main",
+    decode = form(decode, (in_dim,))
+    main = render("mxfp4_matvec.mlir", O=out_dim, IN=in_dim, xt=activation(in_dim, decode))
+    return standalone([split("split", in_dim, decode), gemv("gemv", 1, out_dim, in_dim, decode), main], "main",
                       "the streamed MXFP4 matvec")

@@ -122,11 +122,12 @@ def traced_slot(ffn):
     return slot
 
 
-def by_slot(sym: str, ins: list[TensorType], slot, ranged: bool = False) -> list[str]:
+def by_slot(sym: str, ins: list[TensorType], slot, ranged: bool = False, stacked: bool = False) -> list[str]:
     """Decode form of ``func @sym(z [N, L], idx [N, k], w [N, k], *weights [E, ...]) -> [N, L]``
     (templates/mxfp4_moe_by_slot.mlir); ``slot(name, types)`` gives the texts defining ``func
     @name(a [1, L], rows [1, L], ws [1, 1], *weight slices [1, ...]) -> a + ws * FFN(rows)`` (e.g.
-    ``traced_slot(ffn)``). The weights may be of any kind the slot takes (the bench passes bf16).
+    ``traced_slot(ffn)``), or where ``stacked`` ``func @name(a, rows, ws, e: index, *weights [E,
+    ...])`` for expert e. The weights may be of any kind the slot takes (the bench passes bf16).
     ``ranged``: pairs whose expert is outside [0, E) are skipped (module docstring)."""
     z, idx, w, *weights = ins
     N, k, L = z.shape[0], idx.shape[1], z.shape[1]  # experts map L -> L
@@ -134,8 +135,8 @@ def by_slot(sym: str, ins: list[TensorType], slot, ranged: bool = False) -> list
     walked = _weights(weights)
     one = [m["one"] for m in walked]
     wrapper = render("mxfp4_moe_by_slot.mlir", sym=sym, z=z, idx=idx, w=w, weights=walked, one=one,
-                     row=row, wt=wt, out=TensorType((N, L), z.dtype), N=N, k=k, L=L, ranged=ranged)
-    return [*slot(sym + "_slot", [row, row, wt, *one]), wrapper]
+                     row=row, wt=wt, out=TensorType((N, L), z.dtype), N=N, k=k, L=L, ranged=ranged, stacked=stacked)
+    return [*slot(sym + "_slot", [row, row, wt, *(weights if stacked else one)]), wrapper]
 
 
 def _group(n_experts: int, ranged: bool = False):
@@ -227,15 +228,15 @@ def on_one_range(generate):
 
 
 def _streamed_slot(decode: str, act: str, beta1: float, beta2: float):
-    """The slot as mxfp4_gemv's matvecs on the packed weights, with the activation and the
-    weighted add traced from PyTorch."""
+    """The slot as mxfp4_gemv's matvecs on the packed weights, stacked and whole (the matvecs read
+    expert e's rows in place), with the activation and the weighted add traced from PyTorch."""
     def slot(name: str, types: list[TensorType]) -> list[str]:
         row, _, wt, w1p, *_ = types
-        L, I = row.shape[1], w1p.shape[1]
+        E, L, I = w1p.shape[0], row.shape[1], w1p.shape[1]
         hid = TensorType((1, I), row.dtype)
         act_fn = trace_to_linalg(lambda g, u: glu_act(act, beta1, beta2, g, u), [hid, hid], name + "_act")
         axpy = trace_to_linalg(lambda a, ws, y: a + ws * y, [row, wt, row], name + "_axpy")
-        return [act_fn, axpy, *mxfp4_gemv.expert_slot(name, name + "_act", name + "_axpy", L, I, decode)]
+        return [act_fn, axpy, *mxfp4_gemv.expert_slot(name, name + "_act", name + "_axpy", E, L, I, decode)]
     return slot
 
 
@@ -250,7 +251,7 @@ def streamed(decode: str, tiled: bool):
         if ins[0].shape[0] is None:
             return dequantized(sym, ins, consts, ranged)
         check(ins, consts, "streamed by_slot")
-        return by_slot(sym, ins, _streamed_slot(decode, *consts), ranged)
+        return by_slot(sym, ins, _streamed_slot(decode, *consts), ranged, stacked=True)
     return generate
 
 
@@ -258,13 +259,14 @@ MXFP4_MOE = CustomOp("mxfp4_moe", {
     "default": Lowering(dequantized, "MXFP4 experts one at a time, sliced in place: loop over picked slots / over experts"),
     "llvm-cpu": Lowering(streamed("int", tiled=False),
                          "MXFP4 decode streams the packed weights, 16 lanes per row, i16 nibble decode (no F16C)"),
-    "cpu": Lowering(streamed("f16", tiled=True),
-                  "MXFP4 decode streams the packed weights, f16 nibble decode, 16 lanes per row; prefill on 16x16 mmt4d tiles"),
+    "cpu": Lowering(streamed("native", tiled=True),
+                  "MXFP4 decode streams the packed weights through the native vpermps kernel (f16 nibble decode, 16 lanes "
+                  "per row, where it does not build); prefill on 16x16 mmt4d tiles"),
 }, sharded={
     "default": Lowering(on_one_range(dequantized), "one device's range of the MXFP4 experts, sliced in place; "
                                              "pairs of other devices' experts skipped"),
     "llvm-cpu": Lowering(on_one_range(streamed("int", tiled=False)), "one device's range of the MXFP4 experts, decode streamed "
                                                   "(i16 nibble decode); pairs of other devices' experts skipped"),
-    "cpu": Lowering(on_one_range(streamed("f16", tiled=True)), "one device's range of the MXFP4 experts, decode streamed, prefill tiled "
-                                             "(f16 nibble decode); pairs of other devices' experts skipped"),
+    "cpu": Lowering(on_one_range(streamed("native", tiled=True)), "one device's range of the MXFP4 experts, decode streamed "
+                                                "(native kernel), prefill tiled; pairs of other devices' experts skipped"),
 })

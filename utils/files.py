@@ -34,6 +34,11 @@ _NO_SPACE = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk qu
              errno.EROFS: "read-only file system"}
 
 
+def cache_dir() -> Path:
+    """Where k3c keeps what it can rebuild: compiled modules, exports, native objects (``K3C_CACHE``)."""
+    return Path(os.environ.get("K3C_CACHE", Path.home() / ".cache" / "k3c"))
+
+
 def sha256_file(path: Path, block: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -1,5 +1,5 @@
-{#- The streamed MXFP4 matvec (ops/mxfp4_gemv.py gemv): y [1, O] = W x with W the packed codes P
-    [1, O, IN/2] and E8M0 scales S [1, O, IN/32], x split into its even and odd elements xe, xo
+{#- The streamed MXFP4 matvec (ops/mxfp4_gemv.py gemv): y [1, O] = W x with W expert e's packed
+    codes P [E, O, IN/2] and E8M0 scales S [E, O, IN/32] (sliced in place), x split into its even and odd elements xe, xo
     [IN/32, 16]. One linalg.generic keeps 16 partial sums per row (lanes on the byte position j),
     reducing over the blocks b; a second sums the 16. The nibble decode is `decode` ("f16" or
     "int"); the kernel computes in f32 whatever calls it. -#}
@@ -26,6 +26,8 @@
     %{{ out }}_f = arith.shli %{{ out }}_wide, %c16 : i32
     %{{ out }} = arith.bitcast %{{ out }}_f : i32 to f32
 {% endmacro %}
+{% set pk_all = "tensor<%dx%dx%dxi8>" % (E, O, IN // 2) %}
+{% set sc_all = "tensor<%dx%dx%dxi8>" % (E, O, B) %}
 {% set pk = "tensor<1x%dx%dxi8>" % (O, IN // 2) %}
 {% set sc = "tensor<1x%dx%dxi8>" % (O, B) %}
 {% set p3 = "tensor<%dx%dx%dxi8>" % (O, B, LANES) %}
@@ -33,8 +35,10 @@
 {% set part = "tensor<%dx%dxf32>" % (O, LANES) %}
 {% set y = "tensor<%dxf32>" % O %}
 module {
-  func.func @{{ name }}(%P: {{ pk }}, %S: {{ sc }}, %xe: {{ xt }}, %xo: {{ xt }}) -> tensor<1x{{ O }}xf32> {
+  func.func @{{ name }}(%P_all: {{ pk_all }}, %S_all: {{ sc_all }}, %expert: index, %xe: {{ xt }}, %xo: {{ xt }}) -> tensor<1x{{ O }}xf32> {
     %zero = arith.constant 0.0 : f32
+    %P = tensor.extract_slice %P_all[%expert, 0, 0] [1, {{ O }}, {{ IN // 2 }}] [1, 1, 1] : {{ pk_all }} to {{ pk }}
+    %S = tensor.extract_slice %S_all[%expert, 0, 0] [1, {{ O }}, {{ B }}] [1, 1, 1] : {{ sc_all }} to {{ sc }}
     %P2 = tensor.collapse_shape %P [[0, 1], [2]] : {{ pk }} into tensor<{{ O }}x{{ IN // 2 }}xi8>
     %P3 = tensor.expand_shape %P2 [[0], [1, 2]] output_shape [{{ O }}, {{ B }}, {{ LANES }}] : tensor<{{ O }}x{{ IN // 2 }}xi8> into {{ p3 }}
     %S2 = tensor.collapse_shape %S [[0, 1], [2]] : {{ sc }} into tensor<{{ O }}x{{ B }}xi8>

@@ -1,9 +1,10 @@
 {#- torch.k3.mxfp4_moe, decode form (ops/mxfp4_moe.py by_slot): a loop over the N tokens and their
     k (token, slot) pairs, each adding w * FFN_e(z) of its picked expert e to the token's row, the
-    expert's matrices sliced in place from the stacked weights; @{{sym}}_slot is the FFN. ``ranged``
+    expert's matrices sliced in place from the stacked weights (``stacked``: the stacked weights and
+    e passed whole, the slot slices or offsets them itself); @{{sym}}_slot is the FFN. ``ranged``
     (one device's share of the experts): a pair whose expert is outside [0, E) is skipped. -#}
 {% import "mxfp4_moe_slices.mlir" as slices %}
-{% set slot_types = ([row, row, wt] + one) | join(", ") %}
+{% set slot_types = ([row, row, wt, "index"] + weights | map(attribute="type") | list if stacked else [row, row, wt] + one) | join(", ") %}
 module {
   func.func private @{{ sym }}_slot({{ slot_types }}) -> {{ row }}
   func.func @{{ sym }}(%z: {{ z }}, %idx: {{ idx }}, %w: {{ w }}, {% for m in weights %}%{{ m.name }}: {{ m.type }}{{ ", " if not loop.last }}{% endfor %}) -> {{ out }} {
@@ -28,8 +29,12 @@ module {
         %a2 = scf.if %inside -> ({{ row }}) {
 {% endif %}
         %ws = tensor.extract_slice %w[%n, %s] [1, 1] [1, 1] : {{ w }} to {{ wt }}
+{% if stacked %}
+        %a{{ 1 if ranged else 2 }} = func.call @{{ sym }}_slot(%a, %zn, %ws, %e, {% for m in weights %}%{{ m.name }}{{ ", " if not loop.last }}{% endfor %}) : ({{ slot_types }}) -> {{ row }}
+{% else %}
 {{ slices.expert_slices(weights, "%e") -}}
         %a{{ 1 if ranged else 2 }} = func.call @{{ sym }}_slot(%a, %zn, %ws, {% for m in weights %}%{{ m.name }}_e{{ ", " if not loop.last }}{% endfor %}) : ({{ slot_types }}) -> {{ row }}
+{% endif %}
 {% if ranged %}
           scf.yield %a1 : {{ row }}
         } else {
