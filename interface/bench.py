@@ -51,6 +51,7 @@ from ..model.model import K3State
 from ..passes.pipeline import Pipeline
 from ..runtimes.readback import to_device
 from ..runtimes.session import Session
+from ..utils.memory import keep_freed_heap
 from . import bench_ops
 from .bench_devices import bench_devices
 from .bench_report import SECTIONS
@@ -423,6 +424,7 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
     side; the JSON-ready results."""
     sections = sections or sizes.sections
     use_threads(threads)
+    keep_freed_heap()   # for the compiled side, as a Session does; eager PyTorch allocates from it too
     tgt = parse_target(target)
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)

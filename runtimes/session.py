@@ -17,6 +17,7 @@ from ..artifacts.bundle import Bundle
 from ..compiler.devices import check_device, open_devices
 from ..compiler.targets import Target
 from ..errors import K3Error
+from ..utils.memory import keep_freed_heap
 from .readback import DeviceFunction, load, read_back
 
 
@@ -65,6 +66,7 @@ class Session:
         self.target = m.target
         target = Target(**{**m.target, "flags": tuple(m.target["flags"])})
         check_device(target)
+        keep_freed_heap()
         try:
             if target.devices == 1:
                 self.config = rt.Config(driver or m.target["driver"])

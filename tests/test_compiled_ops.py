@@ -145,9 +145,15 @@ def test_mxfp4_moe_by_slot_form_matches_dequantised():
     np.testing.assert_allclose(y, moe_reference(z, idx, w, weights), rtol=0, atol=1e-5)
 
 
-def test_mxfp4_moe_by_expert_form_matches_dequantised():
-    """Dynamic token count (prefill): the pairs grouped by expert, a loop over the experts; three
-    token counts from one module (one token leaves most experts with no rows)."""
+@pytest.mark.parametrize("unroll", [None, 3])
+def test_mxfp4_moe_by_expert_form_matches_dequantised(unroll, monkeypatch):
+    """Dynamic token count (prefill): the pairs grouped by expert, then the experts in straight-line
+    code (all 8) or, with at most 3 per run, a loop of 4 trips over 2 each; three token counts from
+    one module (one token leaves most experts with no rows)."""
+    from k3c.ops import mxfp4_moe
+    if unroll:
+        monkeypatch.setattr(mxfp4_moe, "UNROLL", unroll)
+        assert mxfp4_moe.unrolled(E) == 2
     weights = expert_weights(2)
     N = Dim("N", min=1, max=512)
     run = compile_op(moe, (*routed_tokens(4, seed=3), *weights), ({0: N},) * 3 + (None,) * 6)

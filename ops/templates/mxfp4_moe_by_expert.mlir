@@ -1,8 +1,12 @@
 {#- torch.k3.mxfp4_moe, prefill form (ops/mxfp4_moe.py by_expert): @{{sym}}_group orders the
-    (token, slot) pairs by expert, the loop over the E experts runs @{{sym}}_expert (the FFN) on each
-    expert's rows with its matrices sliced in place, @{{sym}}_combine adds each token's k results. ``ranged`` (one device's
-    share of the experts): the pairs whose expert is outside [0, E) are grouped last and never
-    run, their rows left zero. -#}
+    (token, slot) pairs by expert, @{{sym}}_expert (the FFN) runs on each expert's rows with its
+    matrices sliced in place, @{{sym}}_combine adds each token's k results. The experts are written
+    out {{ unroll }} at a time: straight-line code where that is all E of them, else in an scf.for
+    over groups of {{ unroll }}. IREE 3.13 copies a tensor carried by a loop whole on every trip
+    (a same-device transfer of the iteration argument that is never elided), so the [N k, L] rows
+    of every expert's results would be copied once per expert; in straight-line code each expert
+    writes its rows in place. ``ranged`` (one device's share of the experts): the pairs whose
+    expert is outside [0, E) are grouped last and never run, their rows left zero. -#}
 {% import "mxfp4_moe_slices.mlir" as slices %}
 {% set one_types = weights | map(attribute="one") | join(", ") %}
 module {
@@ -25,18 +29,34 @@ module {
 {% else %}
     %init = tensor.empty(%Nk) : {{ rows }}
 {% endif %}
-    %out = scf.for %e = %c0 to %cE step %c1 iter_args(%acc = %init) -> ({{ rows }}) {
-      %n64 = tensor.extract %g#2[%e] : {{ vec }}
-      %s64 = tensor.extract %g#3[%e] : {{ vec }}
-      %n = arith.index_cast %n64 : {{ vec.element }} to index
-      %s = arith.index_cast %s64 : {{ vec.element }} to index
-      %rows = tensor.extract_slice %zs[%s, 0] [%n, {{ L }}] [1, 1] : {{ rows }} to {{ rows }}
-{{ slices.expert_slices(weights, "%e") }}
-      %ye = func.call @{{ sym }}_expert(%rows, {% for m in weights %}%{{ m.name }}_e{{ ", " if not loop.last }}{% endfor %})
+{% macro expert_step(j, e, acc) %}
+      %n64_{{ j }} = tensor.extract %g#2[{{ e }}] : {{ vec }}
+      %s64_{{ j }} = tensor.extract %g#3[{{ e }}] : {{ vec }}
+      %n_{{ j }} = arith.index_cast %n64_{{ j }} : {{ vec.element }} to index
+      %s_{{ j }} = arith.index_cast %s64_{{ j }} : {{ vec.element }} to index
+      %rows_{{ j }} = tensor.extract_slice %zs[%s_{{ j }}, 0] [%n_{{ j }}, {{ L }}] [1, 1] : {{ rows }} to {{ rows }}
+{{ slices.expert_slices(weights, e, "_" ~ j) }}
+      %ye_{{ j }} = func.call @{{ sym }}_expert(%rows_{{ j }}, {% for m in weights %}%{{ m.name }}_e_{{ j }}{{ ", " if not loop.last }}{% endfor %})
           : ({{ rows }}, {{ one_types }}) -> {{ rows }}
-      %put = tensor.insert_slice %ye into %acc[%s, 0] [%n, {{ L }}] [1, 1] : {{ rows }} into {{ rows }}
-      scf.yield %put : {{ rows }}
+      %acc_{{ j + 1 }} = tensor.insert_slice %ye_{{ j }} into {{ acc }}[%s_{{ j }}, 0] [%n_{{ j }}, {{ L }}] [1, 1] : {{ rows }} into {{ rows }}
+{% endmacro %}
+{% if unroll == E %}
+{% for j in range(E) %}
+    %e_{{ j }} = arith.constant {{ j }} : index
+{{ expert_step(j, "%e_" ~ j, "%init" if j == 0 else "%acc_" ~ j) }}
+{% endfor %}
+    %out = tensor.cast %acc_{{ E }} : {{ rows }} to {{ rows }}
+{% else %}
+    %cU = arith.constant {{ unroll }} : index
+    %out = scf.for %first = %c0 to %cE step %cU iter_args(%acc_0 = %init) -> ({{ rows }}) {
+{% for j in range(unroll) %}
+      %j_{{ j }} = arith.constant {{ j }} : index
+      %e_{{ j }} = arith.addi %first, %j_{{ j }} : index
+{{ expert_step(j, "%e_" ~ j, "%acc_" ~ j) }}
+{% endfor %}
+      scf.yield %acc_{{ unroll }} : {{ rows }}
     }
+{% endif %}
     %out3 = tensor.expand_shape %out [[0, 1], [2]] output_shape [%N, {{ k }}, {{ L }}] : {{ rows }} into {{ zs3 }}
     %y = func.call @{{ sym }}_combine(%out3, %g#1, %w) : ({{ zs3 }}, {{ idx }}, {{ w }}) -> {{ rows }}
     return %y : {{ rows }}
