@@ -11,6 +11,7 @@ from functools import cache
 import iree.runtime as rt
 
 from ..errors import K3Error
+from . import cpu
 
 # Vulkan profile of a device, by a word in its driver-reported name; first match wins.
 VULKAN_PROFILE_OF_NAME = (("llvmpipe", "llvmpipe"), ("Mali", "valhall"), ("Radeon", "rdna3"), ("NVIDIA", "ampere"))
@@ -57,7 +58,13 @@ def check_device(target) -> None:
     """Refuse, with K3Error, to run a module compiled for ``target`` (a compiler.targets.Target)
     where its driver has no device or fewer than the target's ``devices`` (a CPU driver makes any
     number of local devices), or where the Vulkan device a session opens (the driver's first) is not
-    of the target's profile."""
+    of the target's profile, or where this CPU lacks a feature the module's code uses (a CPU
+    target's ``cpu_features``: running it would end in SIGILL)."""
+    lacking = cpu.missing(target.cpu_features) if target.backend == "llvm-cpu" else []
+    if lacking:
+        raise K3Error(f"device: the bundle's code ({target.name}) needs CPU features this CPU lacks: "
+                      f"{', '.join(lacking)}; compile it here with --target cpu, or for a level this CPU has "
+                      f"(k3c targets)")
     found = devices(target.driver)
     if not found:
         raise K3Error(f"device: no {target.driver} device here to run a {target.name} bundle")

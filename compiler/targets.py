@@ -1,7 +1,10 @@
 """Targets: what ``--target`` accepts, the iree-compile flags for each, and what this host can run.
 
-    cpu                 llvm-cpu for this host's CPU (driver local-task)
-    cpu:x86-64          llvm-cpu for any x86-64 (portable; driver local-task)
+    cpu                 llvm-cpu for this host's CPU (driver local-task); the lowerings of the
+                        highest CPU level it reaches (compiler/cpu.py)
+    cpu:<level>         llvm-cpu for every CPU of a level: x86-64 (any x86-64), x86-64-v3 (AVX2,
+                        FMA, F16C), x86-64-v4 (AVX-512); compiles on any machine, runs where
+                        the CPU has the level's features
     cuda[:sm_XX]        NVIDIA (driver cuda); default sm_80. IREE 3.13 has no sm_90 target:
                         cuda:sm_90 compiles for sm_80, whose code Hopper runs, with a warning
     rocm[:gfxXXX]       AMD (driver hip); default gfx942
@@ -22,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import cache
 
 from ..errors import K3Error
-from . import devices
+from . import cpu, devices
 
 ROCM_CHIPS = ("gfx90a", "gfx942", "gfx1100")
 CUDA_CHIPS = ("sm_80", "sm_86", "sm_89")
@@ -37,14 +40,29 @@ class Target:
     flags: tuple[str, ...]
     note: str = ""   # a warning worth printing when this target is chosen
     devices: int = 1  # devices of the driver one program runs on (routed experts split over them)
+    level: str = ""   # llvm-cpu: the CPU level whose lowerings the ops take ("" for none: the baseline's)
+    cpu_features: tuple[str, ...] = ()   # llvm-cpu: the CPU features its code may use (compiler/cpu.py)
 
     def to_dict(self) -> dict:
         """The target as the manifest and the cache keys hold it (``devices`` only when above one,
-        so a one-device target reads as it always did)."""
-        d = {**asdict(self), "flags": list(self.flags)}
+        the CPU fields only on CPU targets)."""
+        d = {**asdict(self), "flags": list(self.flags), "cpu_features": list(self.cpu_features)}
         if self.devices == 1:
             del d["devices"]
+        if self.backend != "llvm-cpu":
+            del d["level"], d["cpu_features"]
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Target":
+        """The target a manifest holds (``to_dict``'s inverse)."""
+        return cls(**{**d, "flags": tuple(d["flags"]), "cpu_features": tuple(d.get("cpu_features", ()))})
+
+    @property
+    def lowering_keys(self) -> tuple[str, ...]:
+        """The keys of an op's lowering table this target reads, first match wins (ops/base.py):
+        its name, its CPU level's target name, its backend."""
+        return (self.name, *((f"cpu:{self.level}",) if self.level else ()), self.backend)
 
 
 def _local(cpu: str) -> tuple[str, ...]:
@@ -73,15 +91,25 @@ def on_devices(target: Target, n: int) -> Target:
                                             *flags, *MULTI_DEVICE_FLAGS))
 
 
+def cpu_target(arch: str) -> Target:
+    """``cpu`` ("" or "host": this CPU, every feature it has) or ``cpu:<level>``."""
+    if arch in ("", "host"):
+        here = cpu.highest_level(cpu.host_features())
+        return Target("cpu", "llvm-cpu", "local-task", _local("host"), level=here.name if here else "",
+                      cpu_features=tuple(sorted(cpu.host_features())))
+    if arch not in cpu.LEVELS:
+        raise K3Error(f"target: unknown CPU level {arch!r} in 'cpu:{arch}' (use cpu, or cpu: with one of "
+                      f"{', '.join(cpu.LEVELS)})")
+    level = cpu.LEVELS[arch]
+    return Target(f"cpu:{arch}", "llvm-cpu", "local-task", _local(arch), level=arch, cpu_features=level.features)
+
+
 def parse_target(spec: str) -> Target:
-    """``cpu``, ``cpu:x86-64``, ``cuda[:sm_XX]``, ``rocm[:gfxXXX]``, ``vulkan[:profile]`` -> Target.
+    """``cpu``, ``cpu:<level>``, ``cuda[:sm_XX]``, ``rocm[:gfxXXX]``, ``vulkan[:profile]`` -> Target.
     ``vulkan`` alone takes the profile of the Vulkan device here (K3Error when there is none)."""
     kind, _, arch = spec.partition(":")
     if kind == "cpu":
-        if arch not in ("", "host", "x86-64"):
-            raise K3Error(f"target: unknown CPU variant {arch!r} in {spec!r} (use cpu or cpu:x86-64)")
-        return Target("cpu:x86-64" if arch == "x86-64" else "cpu", "llvm-cpu", "local-task",
-                      _local("x86-64" if arch == "x86-64" else "host"))
+        return cpu_target(arch)
     if kind == "cuda":
         arch = arch or "sm_80"
         note = ""
@@ -102,7 +130,8 @@ def parse_target(spec: str) -> Target:
             raise K3Error(f"target: unknown Vulkan profile {arch!r} (known: {', '.join(VULKAN_PROFILES)})")
         return Target(f"vulkan:{arch}", "vulkan-spirv", "vulkan",
                       ("--iree-hal-target-device=vulkan", f"--iree-vulkan-target={arch}"))
-    raise K3Error(f"target: unknown target {spec!r} (use cpu, cpu:x86-64, cuda[:sm_XX], rocm[:gfxXXX], vulkan[:profile])")
+    raise K3Error(f"target: unknown target {spec!r} (use cpu, cpu:x86-64[-v3|-v4], cuda[:sm_XX], rocm[:gfxXXX], "
+                  "vulkan[:profile])")
 
 
 def _die_with(parent: int) -> None:
@@ -145,7 +174,7 @@ def compile_mlir(mlir: str, target: Target, log=print) -> bytes:
 
 
 # every target --target names, one per chip or profile (cuda:sm_90 is cuda:sm_80)
-KNOWN_TARGETS = ("cpu", "cpu:x86-64", *(f"cuda:{c}" for c in CUDA_CHIPS), *(f"rocm:{c}" for c in ROCM_CHIPS),
+KNOWN_TARGETS = ("cpu", *(f"cpu:{level}" for level in cpu.LEVELS), *(f"cuda:{c}" for c in CUDA_CHIPS), *(f"rocm:{c}" for c in ROCM_CHIPS),
                  *(f"vulkan:{p}" for p in VULKAN_PROFILES))
 
 PROBE = """func.func @probe(%x: tensor<4x8xf32>) -> tensor<4xf32> {

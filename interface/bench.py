@@ -55,7 +55,10 @@ from ..utils.memory import keep_freed_heap
 from . import bench_ops
 from .bench_devices import bench_devices
 from .bench_report import SECTIONS
+from ..compiler import cpu as cpu_levels
 from ..compiler.targets import Target, parse_target
+from ..ops import OPS, mxfp4_gemv
+from ..ops.linear import TILE
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,9 @@ def ms(samples: list[float]) -> float:
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE") *
+    level = cpu_levels.highest_level(cpu_levels.host_features())
+    return {"cpu": cpu, "cpu_features": sorted(cpu_levels.host_features()),
+            "cpu_level": level.name if level else None, "cores": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE") *
             os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "threads": torch.get_num_threads(),
             "load_average_start": os.getloadavg()[0], "python": platform.python_version()}
 
@@ -296,6 +301,14 @@ def bench_kda(cfg: K3Config, sizes: Sizes, target: Target, rounds: int, log) -> 
     return out
 
 
+def mxfp4_kernel(target: Target, L: int, I: int) -> str:
+    """The MXFP4 decode kernel ``target`` runs on experts L -> I -> L: "native:<level>" (the C
+    kernel's variant), "f16" or "int" (the linalg forms; ops/mxfp4_gemv.py)."""
+    if target.backend != "llvm-cpu":
+        return "dequantised"
+    return mxfp4_gemv.form(f"native:{target.level}", (L, I)) if target.level in TILE else "int"
+
+
 def bench_moe(cfg: K3Config, sizes: Sizes, target: Target, rounds: int, log) -> dict:
     E, k, L, I = (sizes.moe[x] for x in "EkLI")
     act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
@@ -324,7 +337,8 @@ def bench_moe(cfg: K3Config, sizes: Sizes, target: Target, rounds: int, log) -> 
            "mxfp4_fraction_of_copy": ratio(times, "copy", "mxfp4") * mx_bytes / (2 * src.nbytes),
            "mxfp4_over_bf16_speedup": ratio(times, "bf16", "mxfp4"),
            "mxfp4_vs_bf16_max_rel_diff": float(np.abs(y_mx - y_bf).max() / np.abs(y_bf).max())}
-    log(f"moe: mxfp4 {out['mxfp4_GBps']:.1f} GB/s of weights, copy {copy_gbs:.1f} GB/s, "
+    out["mxfp4_kernel"] = mxfp4_kernel(target, L, I)
+    log(f"moe: {out['mxfp4_kernel']} kernel, mxfp4 {out['mxfp4_GBps']:.1f} GB/s of weights, copy {copy_gbs:.1f} GB/s, "
         f"{out['mxfp4_over_bf16_speedup']:.2f}x faster than bf16")
     return out
 
@@ -429,7 +443,9 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     cfg = K3Config.preset(sizes.preset)
-    result = {"machine": machine(), "target": tgt.name, "sizes": dataclasses.asdict(sizes), "sections": {}}
+    result = {"machine": machine(), "target": tgt.name, "target_cpu_features": list(tgt.cpu_features),
+              "lowerings": {op.name: op.lowering(tgt).doc for op in OPS},
+              "sizes": dataclasses.asdict(sizes), "sections": {}}
     out = result["sections"]
     if {"decode", "prefill", "hybrid"} & set(sections):
         ck = checkpoint_for(cfg, work / f"{sizes.preset}-checkpoint", 0, log)

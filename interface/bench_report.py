@@ -77,7 +77,8 @@ def targets(sections: dict) -> list[dict]:
 
 def markdown(result: dict) -> str:
     m = result["machine"]
-    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['threads']} thread(s) for PyTorch "
+    features = f" (level {m.get('cpu_level')}; {' '.join(m['cpu_features'])})" if m.get("cpu_features") else ""
+    lines = [f"Machine: {m['cpu']}{features}, {m['cores']} cores, {m['memory_gib']} GiB, {m['threads']} thread(s) for PyTorch "
              f"and for IREE, load average {m['load_average_start']:.1f} at start, "
              f"{m.get('load_average_end', float('nan')):.1f} at end; "
              f"target {result['target']}, model {result['sizes']['preset']}; sections run: "
@@ -109,7 +110,8 @@ def markdown(result: dict) -> str:
             + f"; token by token at {k['token_scan']['tokens']}: {k['token_scan']['ms']:.1f}")
     if "moe" in s:
         mo = s["moe"]
-        lines.append(f"- MoE decode step {mo['shape']}: MXFP4 {mo['mxfp4_ms']:.2f} ms ({mo['mxfp4_GBps']:.1f} GB/s "
+        kernel = f" ({mo['mxfp4_kernel']} kernel)" if "mxfp4_kernel" in mo else ""
+        lines.append(f"- MoE decode step {mo['shape']}: MXFP4{kernel} {mo['mxfp4_ms']:.2f} ms ({mo['mxfp4_GBps']:.1f} GB/s "
                      f"of {mo['mxfp4_bytes_per_token'] / 1e6:.1f} MB), bf16 {mo['bf16_ms']:.2f} ms "
                      f"({mo['bf16_GBps']:.1f} GB/s of {mo['bf16_bytes_per_token'] / 1e6:.1f} MB), "
                      f"copy {mo['copy_GBps']:.1f} GB/s (read + write)")

@@ -124,8 +124,9 @@ NAMESPACE = "k3"   # torch.library namespace of the ops: torch.ops.k3.<name>, ``
 @dataclass(frozen=True)
 class CustomOp:
     """A k3 custom op (``name``, defined with ``torch.library.custom_op`` in its module) and its
-    lowerings, keyed by "default", by a HAL backend ("llvm-cpu") or by a target name ("cpu"): the
-    target's name wins over its backend, the backend over the default."""
+    lowerings, keyed by "default", by a HAL backend ("llvm-cpu") or by a target name ("cpu:x86-64-v4"):
+    the target's name wins, then its CPU level's target name (``cpu`` takes the lowerings of the
+    level this host reaches: compiler/cpu.py), then its backend, then the default."""
     name: str
     lowerings: dict[str, Lowering]
     # lowerings for a program over several devices (same keys), where they differ (README "Past one device")
@@ -139,7 +140,7 @@ class CustomOp:
     def lowering(self, target=None) -> Lowering:
         """The lowering for ``target`` (a compiler.targets.Target; None: the default); on a target
         of several devices, from ``sharded`` first."""
-        keys = (target.name, target.backend) if target is not None else ()
+        keys = target.lowering_keys if target is not None else ()
         tables = (self.sharded, self.lowerings) if getattr(target, "devices", 1) > 1 else (self.lowerings,)
         for table in tables:
             for key in (*keys, "default"):

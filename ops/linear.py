@@ -6,13 +6,16 @@ program reads each weight as stored and widens it where it is multiplied.
               into the matmul's dispatch)
     llvm-cpu  one row of x (a decode step) against bf16 W: the streamed matvec
               (templates/bf16_matvec.mlir), W read where it lies as i32 words of two bf16, 16 partial
-              sums per row with the vector lanes on a parallel dim. On an AMD EPYC (Zen 5, one thread,
-              2026-12-02) IREE's default matvec of the same operands read W at 10-12 GB/s (0.25-0.3x
-              copy bandwidth), this one at 26-32 GB/s. Every other shape: the default.
-    cpu       besides the streamed matvec, f32 rows of a dynamic count (prefill) as one 16x16x1
-              ``linalg.mmt4d`` (templates/linear_tiled.mlir), W widened into its tiles once per call:
-              IREE's default matmul of a dynamic row count ran at 38 GFLOP/s at 2048 x 1024 -> 512
-              (AMD EPYC, one thread, 2026-12-02), this one at 76 (PyTorch 64).
+              sums per row with the vector lanes on a parallel dim (IREE's default matvec reads W at a
+              fraction of copy bandwidth: docs/benchmarks.md). Every other shape: the default.
+    cpu:x86-64-v3, cpu:x86-64-v4
+              besides the streamed matvec, f32 rows of a dynamic count (prefill) as one
+              ``linalg.mmt4d`` on T x T x 1 tiles (templates/linear_tiled.mlir), W widened into its
+              tiles once per call. IREE lowers the mmt4d to its microkernel, which has a fast f32
+              tile function for 16x16x1 with AVX-512 and for 8x8x1 with AVX2 + FMA; the tile is the
+              level's (``TILE``). Where the microkernel has no tile function for the target's
+              features its fallback is wrong in IREE 3.13 (docs/pipeline.md, "mmt4d tiles"), so
+              no other level takes this lowering.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from .mlir import render
 from .trace import trace_to_linalg
 
 LANES = 16   # partial sums per row: words (bf16 pairs) of a 32-element block
+# the mmt4d tile (M0 = N0, K0 = 1) of each CPU level that has a microkernel tile function for it
+TILE = {"x86-64-v3": 8, "x86-64-v4": 16}
 
 
 def reference(x: Tensor, weight: Tensor) -> Tensor:
@@ -80,29 +85,34 @@ def streamed(sym: str, ins: list[TensorType], consts: list) -> list[str]:
     return [render("bf16_matvec.mlir", name=sym, O=O, IN=IN, B=IN // (2 * LANES), LANES=LANES, lead=lead)]
 
 
-def tiles(ins: list[TensorType]) -> bool:
+def tiles(ins: list[TensorType], tile: int) -> bool:
     """Whether the tiled product takes these operands: f32 x whose leading dims hold exactly one
-    dynamic size (the row count), a weight of 16k rows."""
+    dynamic size (the row count), a weight of a whole number of ``tile`` rows."""
     x, w = ins
     return (x.dtype == torch.float32 and len(x.shape) >= 2 and x.shape[:-1].count(None) == 1
-            and w.dtype in (torch.float32, torch.bfloat16) and w.shape[0] % 16 == 0)
+            and w.dtype in (torch.float32, torch.bfloat16) and w.shape[0] % tile == 0)
 
 
-def tiled(sym: str, ins: list[TensorType], consts: list) -> list[str]:
-    """For ``cpu``: a dynamic row count as a 16x16x1 mmt4d where it applies (``tiles``), else ``streamed``."""
-    check(ins)
-    if not tiles(ins):
-        return streamed(sym, ins, consts)
-    x, w = ins
-    lead = ["?" if d is None else str(d) for d in x.shape[:-1]]
-    return [render("linear_tiled.mlir", name=sym, O=w.shape[0], IN=w.shape[1], lead=lead, dyn=lead.index("?"),
-                   wtype="f32" if w.dtype == torch.float32 else "bf16")]
+def tiled(level: str) -> Lowering:
+    """For a CPU level of ``TILE``: a dynamic row count as a tile x tile x 1 mmt4d where it applies
+    (``tiles``), else ``streamed``."""
+    tile = TILE[level]
+
+    def generate(sym: str, ins: list[TensorType], consts: list) -> list[str]:
+        check(ins)
+        if not tiles(ins, tile):
+            return streamed(sym, ins, consts)
+        x, w = ins
+        lead = ["?" if d is None else str(d) for d in x.shape[:-1]]
+        return [render("linear_tiled.mlir", name=sym, O=w.shape[0], IN=w.shape[1], lead=lead, dyn=lead.index("?"),
+                       wtype="f32" if w.dtype == torch.float32 else "bf16", M0=tile, N0=tile)]
+    return Lowering(generate, f"rows of a dynamic count: one {tile}x{tile}x1 mmt4d, W widened into its tiles per "
+                              "call; one row against bf16 W: streamed; else widened, then a matmul")
 
 
 LINEAR = CustomOp("linear", {
     "default": Lowering(traced, "x W^T: W widened to x's dtype, then a matmul"),
     "llvm-cpu": Lowering(streamed, "one row against bf16 W: W streamed as words of two bf16, 16 partial sums "
                                    "per row; else widened, then a matmul"),
-    "cpu": Lowering(tiled, "rows of a dynamic count: one 16x16x1 mmt4d, W widened into its tiles per call; one "
-                           "row against bf16 W: streamed; else widened, then a matmul"),
+    **{f"cpu:{level}": tiled(level) for level in TILE},
 })

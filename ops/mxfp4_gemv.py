@@ -7,13 +7,14 @@ expert e's matrix read in place from the stacked weights [E, O, ...].
 P [O, in/32, 16] u8 is ``weight_packed`` seen block by block, S [O, in/32] u8 ``weight_scale``.
 Three forms, by ``decode``:
 
-- ``native`` (``cpu``, where kernels/mxfp4_rows.c builds: a C compiler and AVX-512F here, every
-  input width a multiple of 128; else ``f16``): one dispatch calling the C kernel, linked in as an
-  object (native.py, templates/mxfp4_native_gemv.mlir). It reads 64 bytes of a row as 16 dwords and
-  decodes each of their 8 nibbles with one shift and one ``vpermps`` from the 16 E2M1 values held
-  in a register: the instruction IREE 3.13 cannot emit from a table lookup (a ``tensor.extract``
-  from a constant table is scalarised). The activation is permuted once per call to
-  ``xt[c, n, l] = x[128c + 8l + n]`` (templates/mxfp4_native_split.mlir).
+- ``native:<level>`` (the CPU levels x86-64-v3 and x86-64-v4, where kernels/mxfp4_rows.c builds
+  for the level: a C compiler here, every input width a multiple of 128; else ``f16``): one
+  dispatch calling the C kernel, linked in as an object (native.py, templates/mxfp4_native_gemv.mlir).
+  It reads 64 bytes of a row as 16 dwords and decodes each of their 8 nibbles with one shift and
+  a ``vpermps`` table lookup (AVX-512: the 16 E2M1 values in one register; AVX2: the 8 magnitudes,
+  the sign bit moved in by a shift): the instruction IREE 3.13 cannot emit from a table lookup (a
+  ``tensor.extract`` from a constant table is scalarised). The activation is permuted once per call
+  to ``xt[c, n, l] = x[128c + 8l + n]`` (templates/mxfp4_native_split.mlir).
 - ``f16`` and ``int``: one ``linalg.generic`` keeps 16 partial sums per row, one per byte position
   j of a block, and reduces over the blocks b; a second sums the 16. The vector lanes sit on j, a
   parallel dim, so the loop over b needs no horizontal sum per step (../shared/notes/mxfp4-cpu.md:
@@ -55,19 +56,20 @@ FOLDS = {"f16": 16384.0, "int": 1.0}   # per nibble decode, the factor the activ
 NATIVE_ROWS = 64                 # rows per workgroup of the native kernel
 
 
-def native_object(in_dims: tuple[int, ...]) -> str | None:
-    """The object of the native kernel (ops/native.py) where every input width is a whole number
-    of its 128-weight chunks and it builds here, else None."""
+def native_object(in_dims: tuple[int, ...], level: str) -> str | None:
+    """The object of the native kernel (ops/native.py) for CPU ``level`` where every input width is
+    a whole number of its 128-weight chunks and it builds here, else None."""
     if any(d % 128 for d in in_dims):
         return None
-    built = native.object_file("mxfp4_rows")
+    built = native.object_file("mxfp4_rows", level)
     return None if built is None else str(built)
 
 
 def form(decode: str, in_dims: tuple[int, ...]) -> str:
-    """The decode a matvec over ``in_dims`` gets: "native" falls back to "f16" where
+    """The decode a matvec over ``in_dims`` gets: "native:<level>" falls back to "f16" where
     ``native_object`` is None."""
-    return "f16" if decode == "native" and native_object(in_dims) is None else decode
+    kind, _, level = decode.partition(":")
+    return "f16" if kind == "native" and native_object(in_dims, level) is None else decode
 
 
 def gemv(name: str, experts: int, out_dim: int, in_dim: int, decode: str) -> str:
@@ -76,22 +78,23 @@ def gemv(name: str, experts: int, out_dim: int, in_dim: int, decode: str) -> str
     as ``split`` gives it: ``xe, xo [in/32, 16]`` for "f16" and "int" (templates/mxfp4_gemv.mlir,
     the lanes pinned by a ``compilation_info``), ``xt [in/128, 8, 16]`` for "native"
     (templates/mxfp4_native_gemv.mlir)."""
-    if decode == "native":
-        return render("mxfp4_native_gemv.mlir", name=name, E=experts, O=out_dim, IN=in_dim, object=native_object((in_dim,)),
+    if decode.startswith("native:"):
+        return render("mxfp4_native_gemv.mlir", name=name, E=experts, O=out_dim, IN=in_dim,
+                      object=native_object((in_dim,), decode.partition(":")[2]),
                       ROWS=NATIVE_ROWS, GROUPS=-(-out_dim // NATIVE_ROWS))
     return render("mxfp4_gemv.mlir", name=name, E=experts, O=out_dim, IN=in_dim, B=in_dim // 32, LANES=LANES, decode=decode)
 
 
 def split(name: str, width: int, decode: str) -> str:
     """``func @name(x [1, width]) -> activation`` (templates/mxfp4_split.mlir, mxfp4_native_split.mlir)."""
-    if decode == "native":
+    if decode.startswith("native:"):
         return render("mxfp4_native_split.mlir", name=name, width=width)
     return render("mxfp4_split.mlir", name=name, width=width, B=width // 32, LANES=LANES, fold=FOLDS[decode])
 
 
 def activation(width: int, decode: str) -> list[str]:
     """The types of the activation ``split`` gives a matvec over ``width`` inputs."""
-    if decode == "native":
+    if decode.startswith("native:"):
         return [f"tensor<{width // 128}x8x16xf32>"]
     return [f"tensor<{width // 32}x{LANES}xf32>"] * 2
 

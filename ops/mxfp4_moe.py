@@ -18,10 +18,10 @@ Inside the FFN the MXFP4 matrices are dequantised by ``dequantize``: one element
 which IREE compiles to one dispatch (mxfp4.dequantize's interleaving of the two nibbles becomes a
 strided copy; with it the gather form that came before was ~3x slower per weight). On llvm-cpu the
 decode form instead multiplies the packed weights as they are (``streamed``, mxfp4_gemv.py): a
-decode step reads each picked matrix once, 0.53 bytes per weight. On ``cpu`` the prefill FFN is
-``tiled_expert``: each matrix dequantised once per expert by integer ops into the layout of a
-16x16 ``linalg.mmt4d`` (templates/mxfp4_expert_tiled.mlir), which IREE runs ~2x faster than its
-default matmul of a dynamic row count.
+decode step reads each picked matrix once, 0.53 bytes per weight. On the CPU levels x86-64-v3
+and -v4 the prefill FFN is ``tiled_expert``: each matrix dequantised once per expert by integer
+ops into the layout of a ``linalg.mmt4d`` on the level's tiles (templates/mxfp4_expert_tiled.mlir),
+which IREE runs faster than its default matmul of a dynamic row count.
 
 A pair (token, slot) whose expert lies outside [0, E) adds nothing: on a program over several
 devices each device holds a contiguous range of the experts and gets the pairs with their expert
@@ -36,6 +36,7 @@ from torch import Tensor
 
 from . import mxfp4, mxfp4_gemv
 from .base import NAMESPACE, CustomOp, Lowering, TensorType, require
+from .linear import TILE
 from .mlir import render
 from .numerics import ACTIVATIONS, glu_act
 from .trace import trace_to_linalg
@@ -193,18 +194,18 @@ def traced_expert(ffn):
     return expert
 
 
-def tiled_expert(act: str, beta1: float, beta2: float):
-    """The expert function as three 16x16 ``linalg.mmt4d`` on matrices dequantised once per call by
-    integer ops into the mmt4d layout (templates/mxfp4_expert_tiled.mlir; llvm-cpu: IREE's
-    default matmul of a dynamic row count ran at ~0.3x PyTorch here, the mmt4d at ~0.45x); the
-    activation, which also transposes the 16x16 tiles, traced from PyTorch."""
+def tiled_expert(tile: int, act: str, beta1: float, beta2: float):
+    """The expert function as three ``linalg.mmt4d`` on tile x tile x 1 tiles (the CPU level's,
+    linear.TILE) on matrices dequantised once per call by integer ops into the mmt4d layout
+    (templates/mxfp4_expert_tiled.mlir); the activation, which also transposes the tiles, traced
+    from PyTorch."""
     def expert(name: str, types: list[TensorType]) -> list[str]:
         rows, w1p = types[0], types[1]
         L, I = rows.shape[1], w1p.shape[1]
-        tile = TensorType(("R", I // 16, 16, 16), rows.dtype)
-        act_fn = trace_to_linalg(lambda g, u: glu_act(act, beta1, beta2, g, u).transpose(-1, -2), [tile, tile],
+        tiles = TensorType(("R", I // tile, tile, tile), rows.dtype)
+        act_fn = trace_to_linalg(lambda g, u: glu_act(act, beta1, beta2, g, u).transpose(-1, -2), [tiles, tiles],
                                  name + "_act")
-        return [act_fn, render("mxfp4_expert_tiled.mlir", name=name, act=name + "_act", L=L, I=I)]
+        return [act_fn, render("mxfp4_expert_tiled.mlir", name=name, act=name + "_act", L=L, I=I, T=tile)]
     return expert
 
 
@@ -255,14 +256,15 @@ def _streamed_slot(decode: str, act: str, beta1: float, beta2: float):
     return slot
 
 
-def streamed(decode: str, tiled: bool):
+def streamed(decode: str, tile: int | None):
     """For llvm-cpu: decode (by_slot) streams the packed weights through mxfp4_gemv (nibble
-    ``decode`` "f16" or "int"); prefill (by_expert) multiplies dequantised copies, its matmuls over
-    many rows pay for them: as ``tiled_expert`` where ``tiled``, else as ``dequantized``."""
+    ``decode`` "int", "f16" or "native:<level>"); prefill (by_expert) multiplies dequantised copies,
+    its matmuls over many rows pay for them: as ``tiled_expert`` on ``tile`` where one is given,
+    else as ``dequantized``."""
     def generate(sym: str, ins: list[TensorType], consts: list, ranged: bool = False) -> list[str]:
-        if ins[0].shape[0] is None and tiled:
+        if ins[0].shape[0] is None and tile:
             check(ins, consts, "by_expert")
-            return by_expert(sym, ins, tiled_expert(*consts), ranged)
+            return by_expert(sym, ins, tiled_expert(tile, *consts), ranged)
         if ins[0].shape[0] is None:
             return dequantized(sym, ins, consts, ranged)
         check(ins, consts, "streamed by_slot")
@@ -270,18 +272,23 @@ def streamed(decode: str, tiled: bool):
     return generate
 
 
+def _native(level: str) -> str:
+    return (f"MXFP4 decode streams the packed weights through the native kernel for {level} (f16 nibble decode, "
+            f"16 lanes per row, where it does not build); prefill on {TILE[level]}x{TILE[level]} mmt4d tiles")
+
+
 MXFP4_MOE = CustomOp("mxfp4_moe", {
     "default": Lowering(dequantized, "MXFP4 experts one at a time, sliced in place: loop over picked slots / over experts"),
-    "llvm-cpu": Lowering(streamed("int", tiled=False),
+    "llvm-cpu": Lowering(streamed("int", None),
                          "MXFP4 decode streams the packed weights, 16 lanes per row, i16 nibble decode (no F16C)"),
-    "cpu": Lowering(streamed("native", tiled=True),
-                  "MXFP4 decode streams the packed weights through the native vpermps kernel (f16 nibble decode, 16 lanes "
-                  "per row, where it does not build); prefill on 16x16 mmt4d tiles"),
+    **{f"cpu:{level}": Lowering(streamed(f"native:{level}", TILE[level]), _native(level)) for level in TILE},
 }, sharded={
     "default": Lowering(on_one_range(dequantized), "one device's range of the MXFP4 experts, sliced in place; "
                                              "pairs of other devices' experts skipped"),
-    "llvm-cpu": Lowering(on_one_range(streamed("int", tiled=False)), "one device's range of the MXFP4 experts, decode streamed "
-                                                  "(i16 nibble decode); pairs of other devices' experts skipped"),
-    "cpu": Lowering(on_one_range(streamed("native", tiled=True)), "one device's range of the MXFP4 experts, decode streamed "
-                                                "(native kernel), prefill tiled; pairs of other devices' experts skipped"),
+    "llvm-cpu": Lowering(on_one_range(streamed("int", None)), "one device's range of the MXFP4 experts, decode "
+                                                             "streamed (i16 nibble decode); pairs of other devices' "
+                                                             "experts skipped"),
+    **{f"cpu:{level}": Lowering(on_one_range(streamed(f"native:{level}", TILE[level])),
+                                f"one device's range of the MXFP4 experts: {_native(level)}; pairs of other devices' "
+                                "experts skipped") for level in TILE},
 })

@@ -64,7 +64,7 @@ class Session:
         self.bundle, self.vocab = bundle, m.config["vocab_size"]
         self.max_context = m.config["max_position_embeddings"]
         self.target = m.target
-        target = Target(**{**m.target, "flags": tuple(m.target["flags"])})
+        target = Target.from_dict(m.target)
         check_device(target)
         keep_freed_heap()
         try:

@@ -21,6 +21,21 @@ VULKAN_RUNS = bool(devices("vulkan")) and os.environ.get("K3C_VULKAN_RUN") == "1
 needs_vulkan_run = pytest.mark.skipif(not VULKAN_RUNS, reason="Vulkan execution runs with K3C_VULKAN_RUN=1 and a "
                                       "Vulkan device (llvmpipe loses the device in about half the sessions here)")
 
+def cpu_target(target: str, *values):
+    """``pytest.param(target, *values)`` for a CPU target, skipped in one line where this CPU lacks a
+    feature its code uses (compiler/cpu.py): an AVX-512 host runs every level, an AVX2 host all but
+    x86-64-v4."""
+    from k3c.compiler.cpu import missing
+    from k3c.compiler.targets import parse_target
+
+    lacking = missing(parse_target(target).cpu_features)
+    marks = pytest.mark.skip(reason=f"{target} needs {', '.join(lacking)}, which this CPU lacks") if lacking else ()
+    return pytest.param(target, *values, marks=marks, id="-".join([target, *map(str, values)]))
+
+
+# every CPU target the tests run: this host's and each level
+CPU_TARGETS = ("cpu", "cpu:x86-64", "cpu:x86-64-v3", "cpu:x86-64-v4")
+
 # The tests run many small ops; a second intra-op thread only adds synchronisation (several times
 # slower on a shared 2-core machine).
 torch.set_num_threads(1)

@@ -9,6 +9,7 @@ import torch
 from torch.export import Dim, export
 
 import k3c.model  # noqa: F401  (registers torch.ops.k3.*)
+from conftest import CPU_TARGETS, cpu_target  # tests/ is on sys.path
 from k3c.ops import mxfp4
 from k3c.ops.numerics import glu_act
 
@@ -195,13 +196,16 @@ def test_linear_streamed_matvec_matches_float64(O, I):
     np.testing.assert_array_less(np.abs(y - ref), 1e-6 * scale + 1e-30)
 
 
-@pytest.mark.parametrize("O, rank, f32_weight", [(48, 3, False), (32, 2, True), (40, 3, False)])
-def test_linear_rows_dynamic_matches_float64(O, rank, f32_weight):
-    """A dynamic row count (prefill): on the CPU one 16x16x1 mmt4d (O = 48: 3 tiles of 16 outputs;
-    x [1, T, I] as the layers pass it, or [T, I] with an f32 W as the MoE block does), else (O = 40)
-    the widen-then-matmul lowering; 1, 16 and 37 rows (a padded tile, one whole, three) from one module."""
+@pytest.mark.parametrize("target, O, rank, f32_weight", [
+    cpu_target(t, *case) for t in CPU_TARGETS for case in [(48, 3, False), (32, 2, True), (40, 3, False)]])
+def test_linear_rows_dynamic_matches_float64(target, O, rank, f32_weight):
+    """A dynamic row count (prefill): at the CPU levels v3 and v4 one mmt4d on the level's tiles
+    (O = 48: 3 tiles of 16 or 6 of 8 outputs; x [1, T, I] as the layers pass it, or [T, I] with an
+    f32 W as the MoE block does), else (O = 40 at v4, and the baseline) the widen-then-matmul
+    lowering; 1, 16 and 37 rows (a padded tile, whole ones, more) from one module."""
+    from k3c.compiler.targets import parse_target
     from k3c.ops.base import TensorType
-    from k3c.ops.linear import tiles
+    from k3c.ops.linear import TILE, tiles
 
     def inputs(rows, seed):
         x, w = bf16_linear_inputs(rows, O, 96, seed=seed)
@@ -209,11 +213,31 @@ def test_linear_rows_dynamic_matches_float64(O, rank, f32_weight):
 
     x, w = inputs(5, 7)
     shape = tuple(None if i == rank - 2 else d for i, d in enumerate(x.shape))
-    assert tiles([TensorType(shape, x.dtype), TensorType(tuple(w.shape), w.dtype)]) == (O % 16 == 0)
-    run = compile_op(torch.ops.k3.linear, (x, w), ({rank - 2: Dim("T", min=1, max=512)}, None))
+    tile = TILE.get(parse_target(target).level)
+    assert tile is None or tiles([TensorType(shape, x.dtype), TensorType(tuple(w.shape), w.dtype)], tile) == (O % tile == 0)
+    run = compile_op(torch.ops.k3.linear, (x, w), ({rank - 2: Dim("T", min=1, max=512)}, None), target=target)
     for rows in (1, 16, 37):
         x, _ = inputs(rows, rows)
         scale = (x.double().abs() @ w.double().abs().T).numpy()
         y = run(x.numpy(), w.numpy() if f32_weight else as_numpy(w))
         assert y.shape == (*x.shape[:-1], O)
         np.testing.assert_array_less(np.abs(y - linear_reference(x, w)), 1e-6 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("target", [cpu_target(t) for t in ("cpu", "cpu:x86-64-v3", "cpu:x86-64-v4")])
+def test_mmt4d_tile_of_each_level_is_right(target):
+    """The reproducer of docs/pipeline.md §4 ("mmt4d tiles") with the tile a level's lowerings take:
+    IREE's mmt4d microkernel is wrong for a tile the target's CPU has no tile function for (16x16x1
+    below AVX-512) as soon as the reduction has two steps, so IN = 2 and 16 rows, against float64."""
+    from k3c.compiler.targets import parse_target
+    from k3c.ops.linear import TILE
+    from k3c.ops.mlir import render
+    from test_perf_mxfp4 import load_main
+
+    t = parse_target(target)
+    tile = TILE[t.level]
+    run = load_main(render("linear_tiled.mlir", name="main", O=16, IN=2, lead=["?"], dyn=0, wtype="f32",
+                           M0=tile, N0=tile), target)
+    gen = np.random.default_rng(tile)
+    x, w = gen.standard_normal((16, 2), dtype=np.float32), gen.standard_normal((16, 2), dtype=np.float32)
+    np.testing.assert_allclose(run(x, w), x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-6, atol=1e-6)

@@ -1,12 +1,13 @@
-"""k3-tiny beyond the CPU: the whole model validated on Vulkan (Mesa's llvmpipe, which .ci/run
-installs) and compiled for CUDA and ROCm, where this machine has no device. Each build reuses the
+"""k3-tiny beyond this host's CPU target: the whole model validated at every CPU level this host
+executes (x86-64, x86-64-v3 and, on an AVX-512 host, x86-64-v4) and on Vulkan (Mesa's llvmpipe, which
+.ci/run installs), and compiled for CUDA and ROCm, where this machine has no device. Each build reuses the
 export of the CPU bundle (the export cache is per config, shared by every target)."""
 from __future__ import annotations
 
 import pytest
 
 from k3c.interface.build import build_bundle
-from conftest import VULKAN_RUNS, needs_vulkan_run  # tests/ is on sys.path
+from conftest import VULKAN_RUNS, cpu_target, needs_vulkan_run  # tests/ is on sys.path
 from k3c.compiler.targets import parse_target
 from k3c.interface.validate import TOLERANCE, validate
 
@@ -21,6 +22,16 @@ def build_for(target: str, tiny_bundle, k3c_cache, tmp_path, monkeypatch):
                           log=logs.append)
     assert any("exported module found in cache" in line for line in logs), logs
     return bundle
+
+
+@pytest.mark.parametrize("target", [cpu_target(t) for t in ("cpu:x86-64", "cpu:x86-64-v3", "cpu:x86-64-v4")])
+def test_k3_tiny_validates_at_each_cpu_level(target, tiny_bundle, k3c_cache, tmp_path, monkeypatch):
+    bundle = build_for(target, tiny_bundle, k3c_cache, tmp_path, monkeypatch)
+    assert bundle.manifest.target["name"] == target
+    steps, _ = validate(bundle)
+    assert len(steps) == 9
+    for s in steps:
+        assert s.passed and s.max_abs <= TOLERANCE["llvm-cpu"] and s.top1 == 1.0, s
 
 
 @needs_vulkan_run

@@ -46,9 +46,14 @@ def test_operand_types_come_from_the_ir():
 def test_each_op_names_its_lowering_per_target():
     from k3c.compiler.targets import parse_target
 
-    docs = {op.name: {t: op.lowering(parse_target(t)).doc for t in ("cpu", "cpu:x86-64", "vulkan:llvmpipe", "cuda")}
-            for op in OPS}
-    assert docs["mxfp4_moe"]["cpu"] != docs["mxfp4_moe"]["cpu:x86-64"] != docs["mxfp4_moe"]["cuda"]
+    names = ("cpu", "cpu:x86-64", "cpu:x86-64-v3", "cpu:x86-64-v4", "vulkan:llvmpipe", "cuda")
+    docs = {op.name: {t: op.lowering(parse_target(t)).doc for t in names} for op in OPS}
+    here = parse_target("cpu").level
+    for op in ("mxfp4_moe", "linear"):
+        assert docs[op]["cpu"] == docs[op][f"cpu:{here}"]
+        assert len({docs[op][t] for t in names[1:4]}) == 3, docs[op]   # each level its own
+        assert "8x8" in docs[op]["cpu:x86-64-v3"] and "16x16" in docs[op]["cpu:x86-64-v4"]
+    assert docs["mxfp4_moe"]["cpu:x86-64"] != docs["mxfp4_moe"]["cuda"]
     assert docs["kda_chunk"]["cpu"] == docs["kda_chunk"]["cpu:x86-64"] != docs["kda_chunk"]["vulkan:llvmpipe"]
     assert docs["kda_step"]["vulkan:llvmpipe"] != docs["kda_step"]["cuda"]
     assert [op.mlir_name for op in OPS] == [r.op for r in Pipeline().rewrites]

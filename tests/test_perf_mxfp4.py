@@ -10,14 +10,16 @@ import pytest
 import torch
 from torch.export import Dim
 
+from conftest import CPU_TARGETS, cpu_target
 from test_compiled_ops import compile_op
 
 import k3c.model  # noqa: F401  (registers torch.ops.k3.*)
 
-# (target, nibble decode, O, IN): the forms the lowerings pick per CPU target ("f16" is cpu's where
-# the native kernel does not build), at sizes crossing their tiles: the native kernel's 128-weight
-# chunks in fours and a remainder (640 = 5 chunks), its 64-row workgroups and a partial one (80)
-FORMS = [("cpu", "native", 80, 640), ("cpu", "f16", 32, 64), ("cpu:x86-64", "int", 32, 64)]
+# (target, nibble decode, O, IN): the forms the lowerings pick per CPU level (each level's native
+# kernel variant; "f16" where it does not build), at sizes crossing their tiles: the native kernel's
+# 128-weight chunks in fours and a remainder (640 = 5 chunks), its 64-row workgroups and a partial one (80)
+FORMS = [cpu_target("cpu:x86-64-v4", "native:x86-64-v4", 80, 640), cpu_target("cpu:x86-64-v3", "native:x86-64-v3", 80, 640),
+         cpu_target("cpu:x86-64-v3", "f16", 32, 64), cpu_target("cpu:x86-64", "int", 32, 64)]
 # E8M0 bytes: 0 (2^-127, an f32 subnormal), small, 1.0, large, >= 241 (where a +14 fold would
 # overflow), 254 (2^127) and 255 (NaN)
 SCALE_BYTES = np.array([0, 1, 2, 20, 100, 127, 128, 200, 240, 241, 250, 253, 254, 255], dtype=np.uint8)
@@ -47,15 +49,15 @@ def load_main(text: str, target: str):
     return lambda *arrays: main(*(np.ascontiguousarray(a) for a in arrays)).to_host()
 
 
-def native_here(in_dims: tuple[int, ...]) -> None:
-    """Skip where the native kernel does not build (no C compiler, no AVX-512): cpu runs "f16" there."""
+def native_here(decode: str, in_dims: tuple[int, ...]) -> None:
+    """Skip where the native kernel does not build (no C compiler): the level runs "f16" there."""
     from k3c.ops.mxfp4_gemv import form
 
-    if form("native", in_dims) != "native":
-        pytest.skip("the native MXFP4 kernel does not build on this machine (C compiler or AVX-512F missing)")
+    if form(decode, in_dims) != decode:
+        pytest.skip(f"the native MXFP4 kernel ({decode}) does not build on this machine (no C compiler)")
 
 
-@pytest.mark.parametrize("target,decode,O,IN", FORMS, ids=[f"{f[0]}-{f[1]}" for f in FORMS])
+@pytest.mark.parametrize("target,decode,O,IN", FORMS)
 def test_matvec_is_exact_on_every_code_and_scale_edge(target, decode, O, IN):
     """x one-hot (0.75 at position i): y[o] must be W[o, i] * 0.75 rounded once to f32, where W is
     dequantised by ml_dtypes in float64: every code in every row, each scale byte in some block,
@@ -65,8 +67,8 @@ def test_matvec_is_exact_on_every_code_and_scale_edge(target, decode, O, IN):
     zero, and a subnormal result is zero."""
     from k3c.ops.mxfp4_gemv import matvec_module
 
-    if decode == "native":
-        native_here((IN,))
+    if decode.startswith("native:"):
+        native_here(decode, (IN,))
     run = load_main(matvec_module(O, IN, decode), target)
     codes = (np.arange(IN)[None] + np.arange(O)[:, None]) % 16
     packed = (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8)
@@ -88,9 +90,10 @@ def test_matvec_is_exact_on_every_code_and_scale_edge(target, decode, O, IN):
 
 
 
-def test_prefill_dequantisation_is_exact_on_every_code_and_scale_edge():
-    """The cpu prefill's dequantisation into the mmt4d layout (templates/mxfp4_expert_tiled.mlir),
-    W4[n1, i, n0, 0] = W[16 n1 + n0, i], bit for bit against ml_dtypes in float64 rounded to f32:
+@pytest.mark.parametrize("target,tile", [cpu_target("cpu:x86-64-v4", 16), cpu_target("cpu:x86-64-v3", 8)])
+def test_prefill_dequantisation_is_exact_on_every_code_and_scale_edge(target, tile):
+    """The prefill's dequantisation into the mmt4d layout of a level's tile T
+    (templates/mxfp4_expert_tiled.mlir), W4[n1, i, n0, 0] = W[T n1 + n0, i], bit for bit against ml_dtypes in float64 rounded to f32:
     every code in every row, each scale byte in some block (2^127 * 6 overflowing to inf, NaN
     scales giving NaN), IREE's flush of subnormals as in the matvec test above."""
     from iree.compiler import ir
@@ -101,15 +104,15 @@ def test_prefill_dequantisation_is_exact_on_every_code_and_scale_edge():
 
     O, IN = 32, 64
     p, s = f"tensor<1x{O}x{IN // 2}xi8>", f"tensor<1x{O}x{IN // 32}xi8>"
-    w = f"tensor<{O // 16}x{IN}x16x1xf32>"
+    w = f"tensor<{O // tile}x{IN}x{tile}x1xf32>"
     main = (f"module {{ func.func private @x_rhs_up({p}, {s}) -> {w}\n"
             f"func.func @main(%P: {p}, %S: {s}) -> {w} {{ %W = func.call @x_rhs_up(%P, %S) : ({p}, {s}) -> {w}\n"
             f"return %W : {w} }} }}")
     types = [TensorType(("R", IN), torch.float32)] + [TensorType(t, torch.uint8) for t in
                                                       [(1, O, IN // 2), (1, O, IN // 32)] * 2 + [(1, IN, O // 2), (1, IN, O // 32)]]
     with ir.Context():
-        text = standalone([*tiled_expert("situ", BETA1, BETA2)("x", types), main], "main", "the tiled dequantisation")
-    run = load_main(text, "cpu")
+        text = standalone([*tiled_expert(tile, "situ", BETA1, BETA2)("x", types), main], "main", "the tiled dequantisation")
+    run = load_main(text, target)
     codes = (np.arange(IN)[None] + np.arange(O)[:, None]) % 16
     packed = (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8)
     scale = SCALE_BYTES[(np.arange(O)[:, None] + 7 * np.arange(IN // 32)) % len(SCALE_BYTES)]
@@ -117,7 +120,7 @@ def test_prefill_dequantisation_is_exact_on_every_code_and_scale_edge():
     with np.errstate(over="ignore"):
         expected = np.where(np.repeat(scale == 0, 32, axis=1), 0.0, W).astype(np.float32)
     expected[np.abs(expected) < np.finfo(np.float32).tiny] = 0.0
-    got = run(packed[None].view(np.int8), scale[None].view(np.int8))[..., 0]       # [O/16, IN, 16]
+    got = run(packed[None].view(np.int8), scale[None].view(np.int8))[..., 0]       # [O/T, IN, T]
     np.testing.assert_array_equal(got.transpose(0, 2, 1).reshape(O, IN), expected)
     assert np.isinf(got).any() and np.isnan(got).any()
 
@@ -157,12 +160,10 @@ def check(y, z, idx, w, weights):
     np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("target", ["cpu", "cpu:x86-64"])
+@pytest.mark.parametrize("target", [cpu_target(t) for t in CPU_TARGETS])
 def test_moe_decode_form_matches_ml_dtypes(target):
     """Three tokens (a static count: the loop over the picked slots, each matvec on packed weights;
-    on cpu the native kernel)."""
-    if target == "cpu":
-        native_here((L, I))
+    on the levels v3 and v4 and on this host the native kernel)."""
     weights = experts(0)
     z, idx, w = tokens(3, seed=1)
     args = (z, idx, w, *weights)
@@ -170,12 +171,13 @@ def test_moe_decode_form_matches_ml_dtypes(target):
     check(run(*args), z, idx, w, weights)
 
 
-def test_moe_prefill_form_matches_ml_dtypes():
+@pytest.mark.parametrize("target", [cpu_target(t) for t in CPU_TARGETS])
+def test_moe_prefill_form_matches_ml_dtypes(target):
     """A dynamic token count from one module: 1 token (most experts without rows) to 300."""
     weights = experts(2)
     N = Dim("N", min=1, max=1024)
     example = tuple(torch.from_numpy(a) for a in (*tokens(4, seed=3), *weights))
-    run = compile_op(moe, example, ({0: N},) * 3 + (None,) * 6)
+    run = compile_op(moe, example, ({0: N},) * 3 + (None,) * 6, target=target)
     for n in (1, 37, 300):
         z, idx, w = tokens(n, seed=n)
         check(run(z, idx, w, *weights), z, idx, w, weights)

@@ -3,6 +3,7 @@
 --per-layer`` on a real bundle; 64 decode steps of the compiled model; and commands that print no
 third-party warnings.
 
+Every CPU level this host can execute runs them (an AVX-512 host runs the AVX2 level's code too).
 The CPU lowers ``kda_chunk`` in 256-token blocks of 16-token chunks, the other targets in 64-token
 chunks: T = 1, 255, 257 and 600 run a lone token, a block one short, a block and one token, and
 three blocks with a partial one, all from one module per target. The references are the independent
@@ -21,17 +22,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_compiled_ops import K, expert_weights, fla_recurrent, kda_inputs, moe, moe_reference, routed_tokens
+from test_compiled_ops import (K, as_numpy, bf16_linear_inputs, expert_weights, fla_recurrent, kda_inputs,
+                               linear_reference, moe, moe_reference, routed_tokens)
 from torch.export import Dim, export
 
 from k3c.model import K3Config  # registers torch.ops.k3.*
-from conftest import needs_vulkan_run  # tests/ is on sys.path
+from conftest import cpu_target, needs_vulkan_run  # tests/ is on sys.path
 from k3c.runtimes import readback
 from k3c.runtimes.readback import DeviceFunction, read_back
 
 K3C = Path(sys.executable).with_name("k3c")  # the console script installed beside this interpreter
 TOKENS = [1, 255, 257, 600]
-TARGETS = ["cpu", pytest.param("vulkan", marks=needs_vulkan_run)]
+LINEAR_OUT, LINEAR_IN = 48, 96   # 3 tiles of 16 (6 of 8) outputs, 3 blocks of 32 inputs
+TARGETS = [cpu_target("cpu:x86-64"), cpu_target("cpu:x86-64-v3"), cpu_target("cpu:x86-64-v4"),
+           pytest.param("vulkan", marks=needs_vulkan_run)]
 # max abs error against the float64 references: as in test_compiled_ops.py (CPU) and test_targets.py (Vulkan)
 TOLERANCE = {"local-task": 2e-5, "vulkan": 1e-4}
 
@@ -47,7 +51,7 @@ def warning_lines(stderr: str) -> list[str]:
 
 @cache
 def compiled(op: str, spec: str, dynamic: bool):
-    """``op`` ('kda_chunk', 'kda_step' or 'moe') exported alone, lowered by ``Pipeline.for_target``
+    """``op`` ('kda_chunk', 'kda_step', 'moe' or 'linear') exported alone, lowered by ``Pipeline.for_target``
     and compiled for ``spec``; returns (run: numpy arrays -> host arrays, the function on the device,
     driver). Dynamic: the token count is a run-time dimension (prefill forms)."""
     import iree.runtime as rt
@@ -62,6 +66,9 @@ def compiled(op: str, spec: str, dynamic: bool):
     if op == "moe":
         fn, example = moe, (*routed_tokens(4 if dynamic else 1, seed=0), *expert_weights(0))
         shapes = ({0: T},) * 3 + (None,) * 6 if dynamic else None
+    elif op == "linear":
+        fn, example = torch.ops.k3.linear, bf16_linear_inputs(3 if dynamic else 1, LINEAR_OUT, LINEAR_IN, seed=0)
+        shapes = ({1: T}, None) if dynamic else None
     else:
         fn, example = getattr(torch.ops.k3, op), kda_inputs(3 if dynamic else 1, seed=0)
         shapes = ({1: T},) * 5 + (None,) if dynamic else None
@@ -134,6 +141,23 @@ def test_mxfp4_moe_as_shipped(spec):
     z, idx, w = routed_tokens(1, seed=7)
     y = run(z.numpy(), idx.numpy(), w.numpy(), *host_weights)
     np.testing.assert_allclose(y, moe_reference(z, idx, w, weights), rtol=0, atol=TOLERANCE[driver])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", TARGETS)
+def test_linear_as_shipped(spec):
+    """The trunk's projection against a bf16 W: the prefill form (row count dynamic: on the CPU
+    levels v3 and v4 the mmt4d on the level's tiles) at every T, and the decode form (one row)."""
+    run, _, driver = compiled("linear", spec, dynamic=True)
+    for T in TOKENS:
+        x, w = bf16_linear_inputs(T, LINEAR_OUT, LINEAR_IN, seed=T)
+        scale = (x.double().abs() @ w.double().abs().T).numpy()   # the f32 rounding's scale
+        y = run(x.numpy(), as_numpy(w))
+        np.testing.assert_array_less(np.abs(y - linear_reference(x, w)), 1e-6 * scale + 1e-30, err_msg=f"T = {T}")
+    run, _, driver = compiled("linear", spec, dynamic=False)
+    x, w = bf16_linear_inputs(1, LINEAR_OUT, LINEAR_IN, seed=1)
+    scale = (x.double().abs() @ w.double().abs().T).numpy()
+    np.testing.assert_array_less(np.abs(run(x.numpy(), as_numpy(w)) - linear_reference(x, w)), 1e-6 * scale + 1e-30)
 
 
 # ---- the compiled k3-tiny bundle --------------------------------------------------------------

@@ -40,6 +40,8 @@ no_vulkan = needs_vulkan_run
 @pytest.mark.parametrize("spec, name, flag", [
     ("cpu", "cpu", "--iree-llvmcpu-target-cpu=host"),
     ("cpu:x86-64", "cpu:x86-64", "--iree-llvmcpu-target-cpu=x86-64"),
+    ("cpu:x86-64-v3", "cpu:x86-64-v3", "--iree-llvmcpu-target-cpu=x86-64-v3"),
+    ("cpu:x86-64-v4", "cpu:x86-64-v4", "--iree-llvmcpu-target-cpu=x86-64-v4"),
     ("cuda", "cuda:sm_80", "--iree-cuda-target=sm_80"),
     ("cuda:sm_89", "cuda:sm_89", "--iree-cuda-target=sm_89"),
     ("rocm", "rocm:gfx942", "--iree-rocm-target=gfx942"),
@@ -49,6 +51,51 @@ no_vulkan = needs_vulkan_run
 def test_parse_target(spec, name, flag):
     t = parse_target(spec)
     assert (t.name, t.flags[-1], t.note) == (name, flag, "")
+
+
+def test_cpu_levels_name_the_features_their_code_needs():
+    """x86-64-v3 is AVX2 + FMA + F16C (+ BMI, MOVBE, LZCNT), v4 adds AVX-512 F/BW/CD/DQ/VL, the
+    baseline needs nothing; the level decides which lowerings an op takes."""
+    base, v3, v4 = (parse_target(f"cpu:{lv}") for lv in ("x86-64", "x86-64-v3", "x86-64-v4"))
+    assert base.cpu_features == () and {"avx2", "fma", "f16c"} <= set(v3.cpu_features)
+    assert set(v4.cpu_features) == set(v3.cpu_features) | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+    assert [t.lowering_keys for t in (base, v3)] == [("cpu:x86-64", "cpu:x86-64", "llvm-cpu"),
+                                                    ("cpu:x86-64-v3", "cpu:x86-64-v3", "llvm-cpu")]
+
+
+def test_host_cpu_target_takes_the_highest_level_it_reaches(monkeypatch):
+    """``cpu`` records every instruction-set feature of this CPU (what iree-compile's ``host`` may
+    use) and takes the lowerings of the highest level those features hold."""
+    from k3c.compiler import cpu
+
+    for flags, level in ((cpu.V3, "x86-64-v3"), (cpu.V3 + cpu.V4 + ("avx512_vnni",), "x86-64-v4"),
+                         (("sse4_2", "avx"), "x86-64")):
+        monkeypatch.setattr(cpu, "host_features", lambda flags=flags: frozenset(flags))
+        monkeypatch.setattr(cpu, "is_x86_host", lambda: True)
+        t = parse_target("cpu")
+        assert (t.level, t.cpu_features) == (level, tuple(sorted(flags)))
+
+
+def test_a_module_of_a_level_this_cpu_lacks_is_refused_in_one_line(monkeypatch):
+    from k3c.compiler import cpu
+
+    monkeypatch.setattr(cpu, "host_features", lambda: frozenset(cpu.V3))
+    device.check_device(parse_target("cpu:x86-64-v3"))
+    with pytest.raises(K3Error, match="needs CPU features this CPU lacks: avx512f, avx512bw, avx512cd, avx512dq, "
+                                      "avx512vl") as e:
+        device.check_device(parse_target("cpu:x86-64-v4"))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("level", ["x86-64-v3", "x86-64-v4"])
+def test_every_level_compiles_on_any_machine(level):
+    """iree-compile builds a level's code whatever CPU compiles it (the native kernel too: it is
+    built for the level, not for this host)."""
+    from k3c.ops import native
+
+    assert compiles_here(parse_target(f"cpu:{level}"))
+    assert native.object_file("mxfp4_rows", level) is not None
+    assert native.object_file("mxfp4_rows", "x86-64") is None   # below AVX2 the linalg kernel runs
 
 
 def test_sm_90_compiles_for_sm_80_with_a_note():
@@ -66,7 +113,7 @@ def test_every_known_target_is_its_own_canonical_name():
     ("cuda:sm_70", "unsupported CUDA arch 'sm_70'"),
     ("rocm:gfx9999", "unsupported ROCm chip 'gfx9999'"),
     ("vulkan:foo", "unknown Vulkan profile 'foo'"),
-    ("cpu:arm", "unknown CPU variant 'arm'"),
+    ("cpu:arm", "unknown CPU level 'arm'"),
 ])
 def test_unknown_targets_are_refused(spec, message):
     with pytest.raises(K3Error, match=message):

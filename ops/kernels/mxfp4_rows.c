@@ -1,6 +1,6 @@
-/* The native MXFP4 matvec of the cpu target (ops/native.py builds it, ops/mxfp4_gemv.py calls it;
-   docs/model.md §5): rows [o0, o1) of y = W x for one workgroup, W expert e's matrix in the
-   checkpoint's MXFP4 layout.
+/* The native MXFP4 matvec of the CPU levels x86-64-v4 and x86-64-v3 (ops/native.py builds it for
+   the level with -march=<level>, ops/mxfp4_gemv.py calls it; docs/model.md §5): rows [o0, o1) of
+   y = W x for one workgroup, W expert e's matrix in the checkpoint's MXFP4 layout.
 
      y[o] = sum_c sum_l 2^(S[o, 4c + l/4] - 127) * sum_n E2M1[nibble n of dword l of chunk c of row o] * xt[c, n, l]
 
@@ -10,27 +10,34 @@
    is 4 dwords. xt [in/128, 8, 16] f32 is the activation permuted once per call:
    xt[c, n, l] = x[128c + 8l + n].
 
-   Per chunk: each nibble position n is shifted to the bottom of its dword and decoded by one
-   vpermps from the 16 E2M1 values held in a register (vpermps reads the low 4 bits of each index);
-   the 8 products of a lane are summed, then multiplied by the lane's block scale. The scales of 4
-   chunks (16 blocks) are built at once: 2^(s - 127) is the f32 with bits s << 23, or-ed with
-   0x400000 (a NaN) where s = 255, where (s + 1) >> 8 is 1; s = 0 gives +0 (IREE's CPU workers
-   flush the subnormal 2^-127 anyway). A block's products are summed before its scale multiplies
-   them. Needs AVX-512F (ops/native.py compiles it with -march=native; where it does not build the
-   linalg kernel runs). Freestanding: no libc, no globals beyond read-only constants. */
+   Per chunk each nibble position n is shifted to the bottom of its dword and decoded by a table
+   lookup with vpermps, which reads the low bits of each lane's index:
+     AVX-512F  one vpermps from the 16 E2M1 values held in a 512-bit register (4 index bits), the
+               16 lanes of a chunk at once;
+     AVX2      one vpermps from the 8 magnitudes in a 256-bit register (3 index bits), the code's
+               sign bit (bit 3 of the nibble) shifted to bit 31 and xor-ed in; a chunk as two
+               halves of 8 lanes.
+   The 8 products of a lane are summed, then multiplied by the lane's block scale (a block's products
+   are summed before its scale multiplies them). The scale 2^(s - 127) is the f32 with bits s << 23,
+   or-ed with 0x400000 (a NaN) where s = 255, where (s + 1) >> 8 is 1; s = 0 gives +0 (IREE's CPU
+   workers flush the subnormal 2^-127 anyway). Both variants compute every product exactly and add
+   in the same order within a lane. Freestanding: no libc, no globals beyond read-only constants. */
 #include <stddef.h>
 #include <stdint.h>
 #include <immintrin.h>
 
-#ifndef __AVX512F__
-#error "mxfp4_rows.c needs AVX-512F"
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+#error "mxfp4_rows.c needs AVX-512F or AVX2 and FMA"
 #endif
 
-/* Bytes ahead of the chunk in hand that each step asks the cache for: one thread's stream from
-   memory ran at 5.8-10.1 GB/s without and 10.4-11.7 GB/s with 4 KiB (64-byte prefetches, AMD EPYC
-   Zen 4, ninth session's machine; 2 and 8 KiB in between). */
+/* Bytes ahead of the chunk in hand that each step asks the cache for (docs/pipeline.md §3). */
 #define PREFETCH_AHEAD 4096
 
+/* A 1-D array as IREE passes a memref: allocated and aligned pointers, offset, size, stride
+   (in elements); the data starts at aligned + offset. */
+#define MEMREF(T, name) T* name##_allocated, T* name##_aligned, size_t name##_offset, size_t name##_size, size_t name##_stride
+
+#if defined(__AVX512F__)
 /* The 16 lanes' sums over one chunk: lane l adds the 8 products of its dword's nibbles, nibble n
    decoded from bits 4n..4n+3 (two chains of 4). */
 static inline __m512 chunk(const uint8_t* p, const float* xc, __m512 table) {
@@ -51,10 +58,6 @@ static inline __m512 scales(__m512i s) {
   __m512i nan = _mm512_slli_epi32(_mm512_srli_epi32(_mm512_add_epi32(s, _mm512_set1_epi32(1)), 8), 22);
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(s, 23), nan));
 }
-
-/* A 1-D array as IREE passes a memref: allocated and aligned pointers, offset, size, stride
-   (in elements); the data starts at aligned + offset. */
-#define MEMREF(T, name) T* name##_allocated, T* name##_aligned, size_t name##_offset, size_t name##_size, size_t name##_stride
 
 /* Rows [group * rows_per_group, ...) of expert e's matrix (`rows` rows, `in` a multiple of 128). */
 void k3c_mxfp4_rows(MEMREF(const uint8_t, packed), MEMREF(const uint8_t, scale), MEMREF(const float, act),
@@ -94,3 +97,63 @@ void k3c_mxfp4_rows(MEMREF(const uint8_t, packed), MEMREF(const uint8_t, scale),
     y[o] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
   }
 }
+#else  /* AVX2 and FMA */
+
+/* The 8 lanes' sums over one half chunk (dwords 8h..8h+7; xc = xt + 128c + 8h): lane l adds the 8
+   products of its dword's nibbles. The magnitude comes from vpermps on the nibble's low 3 bits,
+   the sign is bit 4n + 3 of the dword moved to bit 31. */
+static inline __m256 half_chunk(const uint8_t* p, const float* xc, __m256 magnitudes) {
+  const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+  __m256i w = _mm256_loadu_si256((const __m256i*)p);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+#define NIBBLE(n)                                                                                  \
+  {                                                                                                \
+    __m256 m = _mm256_permutevar8x32_ps(magnitudes, _mm256_srli_epi32(w, 4 * (n)));                 \
+    __m256 v = _mm256_xor_ps(m, _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(w, 28 - 4 * (n)), sign))); \
+    acc[(n) & 1] = (n) < 2 ? _mm256_mul_ps(v, _mm256_loadu_ps(xc + 16 * (n)))                       \
+                           : _mm256_fmadd_ps(v, _mm256_loadu_ps(xc + 16 * (n)), acc[(n) & 1]);      \
+  }
+  NIBBLE(0) NIBBLE(1) NIBBLE(2) NIBBLE(3) NIBBLE(4) NIBBLE(5) NIBBLE(6) NIBBLE(7)
+#undef NIBBLE
+  return _mm256_add_ps(acc[0], acc[1]);
+}
+
+/* Rows [group * rows_per_group, ...) of expert e's matrix (`rows` rows, `in` a multiple of 128). */
+void k3c_mxfp4_rows(MEMREF(const uint8_t, packed), MEMREF(const uint8_t, scale), MEMREF(const float, act),
+                    MEMREF(float, out), size_t e, size_t rows, size_t in, size_t rows_per_group, size_t group) {
+  const uint8_t* P = packed_aligned + packed_offset + e * rows * (in / 2);
+  const uint8_t* S = scale_aligned + scale_offset + e * rows * (in / 32);
+  const float* xt = act_aligned + act_offset;
+  float* y = out_aligned + out_offset;
+  const __m256 magnitudes = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  /* lanes of half h take the scales of blocks 2h and 2h + 1 of their chunk */
+  const __m256i low_blocks = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const __m256i high_blocks = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  const __m128i one = _mm_set1_epi32(1);
+  size_t chunks = in / 128, o0 = group * rows_per_group, o1 = o0 + rows_per_group;
+  if (o1 > rows) o1 = rows;
+  for (size_t o = o0; o < o1; ++o) {
+    const uint8_t* p = P + o * (in / 2);
+    const uint8_t* s = S + o * (in / 32);
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    for (size_t c = 0; c < chunks; ++c) {
+      uint32_t s4;
+      __builtin_memcpy(&s4, s + 4 * c, 4);
+      __m128i b = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)s4));
+      __m128i nan = _mm_slli_epi32(_mm_srli_epi32(_mm_add_epi32(b, one), 8), 22);
+      __m256 sc = _mm256_castps128_ps256(_mm_castsi128_ps(_mm_or_si128(_mm_slli_epi32(b, 23), nan)));
+      _mm_prefetch((const char*)(p + 64 * c) + PREFETCH_AHEAD, _MM_HINT_T0);
+      even = _mm256_fmadd_ps(half_chunk(p + 64 * c, xt + 128 * c, magnitudes),
+                             _mm256_permutevar8x32_ps(sc, low_blocks), even);
+      odd = _mm256_fmadd_ps(half_chunk(p + 64 * c + 32, xt + 128 * c + 8, magnitudes),
+                            _mm256_permutevar8x32_ps(sc, high_blocks), odd);
+    }
+    __m256 t = _mm256_add_ps(even, odd);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    y[o] = _mm_cvtss_f32(q);
+  }
+}
+
+#endif

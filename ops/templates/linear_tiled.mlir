@@ -10,15 +10,15 @@
 {% set out = "tensor<?x%dxf32>" % O %}
 {% set collapse = "[[" + ", ".join(range(lead|length)|map("string")) + "], [" + (lead|length)|string + "]]" %}
 {% set shape = ", ".join(lead[:dyn] + ["%n"] + lead[dyn + 1:] + [O|string]) %}
-{% set rhs = "tensor<%dx%dx16x1xf32>" % (O // 16, IN) %}
-{% set lhs = "tensor<?x%dx16x1xf32>" % IN %}
-{% set acc = "tensor<?x%dx16x16xf32>" % (O // 16) %}
-{% set w3 = "tensor<%dx16x%dx%s>" % (O // 16, IN, wtype) %}
+{% set rhs = "tensor<%dx%dx%dx1xf32>" % (O // N0, IN, N0) %}
+{% set lhs = "tensor<?x%dx%dx1xf32>" % (IN, M0) %}
+{% set acc = "tensor<?x%dx%dx%dxf32>" % (O // N0, M0, N0) %}
+{% set w3 = "tensor<%dx%dx%dx%s>" % (O // N0, N0, IN, wtype) %}
 module {
   func.func @{{ name }}(%x: {{ xs }}, %W: tensor<{{ O }}x{{ IN }}x{{ wtype }}>) -> {{ ys }} {
     %c0 = arith.constant 0 : index
-    %c15 = arith.constant 15 : index
-    %c16 = arith.constant 16 : index
+    %cm = arith.constant {{ M0 - 1 }} : index
+    %cM0 = arith.constant {{ M0 }} : index
     %zero = arith.constant 0.0 : f32
 {% if lead|length > 1 %}
     %x2 = tensor.collapse_shape %x {{ collapse }} : {{ xs }} into {{ rows }}
@@ -26,7 +26,7 @@ module {
     %x2 = tensor.cast %x : {{ xs }} to {{ rows }}
 {% endif %}
     %n = tensor.dim %x2, %c0 : {{ rows }}
-    %W3 = tensor.expand_shape %W [[0, 1], [2]] output_shape [{{ O // 16 }}, 16, {{ IN }}] : tensor<{{ O }}x{{ IN }}x{{ wtype }}> into {{ w3 }}
+    %W3 = tensor.expand_shape %W [[0, 1], [2]] output_shape [{{ O // N0 }}, {{ N0 }}, {{ IN }}] : tensor<{{ O }}x{{ IN }}x{{ wtype }}> into {{ w3 }}
     %we = tensor.empty() : {{ rhs }}
     %Wt = linalg.generic {indexing_maps = [affine_map<(n1, k, n0, z) -> (n1, n0, k)>, affine_map<(n1, k, n0, z) -> (n1, k, n0, z)>],
                          iterator_types = ["parallel", "parallel", "parallel", "parallel"]}
@@ -40,15 +40,15 @@ module {
 {% endif %}
     } -> {{ rhs }}
     {#- arith, not affine.apply: an affine op keeps the function from being inlined #}
-    %n15 = arith.addi %n, %c15 : index
-    %n1 = arith.divui %n15, %c16 : index
+    %nm = arith.addi %n, %cm : index
+    %n1 = arith.divui %nm, %cM0 : index
     %xe = tensor.empty(%n1) : {{ lhs }}
-    %xp = linalg.pack %x2 padding_value(%zero : f32) inner_dims_pos = [0, 1] inner_tiles = [16, 1] into %xe : {{ rows }} -> {{ lhs }}
+    %xp = linalg.pack %x2 padding_value(%zero : f32) inner_dims_pos = [0, 1] inner_tiles = [{{ M0 }}, 1] into %xe : {{ rows }} -> {{ lhs }}
     %ae = tensor.empty(%n1) : {{ acc }}
     %af = linalg.fill ins(%zero : f32) outs(%ae : {{ acc }}) -> {{ acc }}
     %y4 = linalg.mmt4d ins(%xp, %Wt : {{ lhs }}, {{ rhs }}) outs(%af : {{ acc }}) -> {{ acc }}
     %ye = tensor.empty(%n) : {{ out }}
-    %y2 = linalg.unpack %y4 inner_dims_pos = [0, 1] inner_tiles = [16, 16] into %ye : {{ acc }} -> {{ out }}
+    %y2 = linalg.unpack %y4 inner_dims_pos = [0, 1] inner_tiles = [{{ M0 }}, {{ N0 }}] into %ye : {{ acc }} -> {{ out }}
 {% if lead|length > 1 %}
     %y = tensor.expand_shape %y2 {{ collapse }} output_shape [{{ shape }}] : {{ out }} into {{ ys }}
 {% else %}

@@ -6,21 +6,21 @@
     activation @{{act}} (traced from PyTorch) takes the 16x16 output tiles and transposes them
     into the left-hand layout of the last product, whose tiles are unpacked to [R, L]. -#}
 {% set rows = "tensor<?x%dxf32>" % L %}
-{% macro rhs_type(o, i) %}tensor<{{ o // 16 }}x{{ i }}x16x1xf32>{% endmacro %}
-{% macro lhs_type(i) %}tensor<?x{{ i }}x16x1xf32>{% endmacro %}
-{% macro acc_type(o) %}tensor<?x{{ o // 16 }}x16x16xf32>{% endmacro %}
+{% macro rhs_type(o, i) %}tensor<{{ o // T }}x{{ i }}x{{ T }}x1xf32>{% endmacro %}
+{% macro lhs_type(i) %}tensor<?x{{ i }}x{{ T }}x1xf32>{% endmacro %}
+{% macro acc_type(o) %}tensor<?x{{ o // T }}x{{ T }}x{{ T }}xf32>{% endmacro %}
 module {
 {% for (part, o, i) in [("up", I, L), ("down", L, I)] %}
   func.func @{{ name }}_rhs_{{ part }}(%P: tensor<1x{{ o }}x{{ i // 2 }}xi8>, %S: tensor<1x{{ o }}x{{ i // 32 }}xi8>) -> {{ rhs_type(o, i) }} {
-    %P4 = tensor.expand_shape %P [[0], [1, 2], [3, 4]] output_shape [1, {{ o // 16 }}, 16, {{ i // 32 }}, 16] : tensor<1x{{ o }}x{{ i // 2 }}xi8> into tensor<1x{{ o // 16 }}x16x{{ i // 32 }}x16xi8>
-    %S3 = tensor.expand_shape %S [[0], [1, 2], [3]] output_shape [1, {{ o // 16 }}, 16, {{ i // 32 }}] : tensor<1x{{ o }}x{{ i // 32 }}xi8> into tensor<1x{{ o // 16 }}x16x{{ i // 32 }}xi8>
-    %e = tensor.empty() : tensor<{{ o // 16 }}x{{ i // 32 }}x16x2x16xf32>
+    %P4 = tensor.expand_shape %P [[0], [1, 2], [3, 4]] output_shape [1, {{ o // T }}, {{ T }}, {{ i // 32 }}, 16] : tensor<1x{{ o }}x{{ i // 2 }}xi8> into tensor<1x{{ o // T }}x{{ T }}x{{ i // 32 }}x16xi8>
+    %S3 = tensor.expand_shape %S [[0], [1, 2], [3]] output_shape [1, {{ o // T }}, {{ T }}, {{ i // 32 }}] : tensor<1x{{ o }}x{{ i // 32 }}xi8> into tensor<1x{{ o // T }}x{{ T }}x{{ i // 32 }}xi8>
+    %e = tensor.empty() : tensor<{{ o // T }}x{{ i // 32 }}x16x2x{{ T }}xf32>
     {#- output dims (n1, b, j, t, n0): element 32b + 2j + t of row 16 n1 + n0, nibble t of byte j #}
     %W = linalg.generic {indexing_maps = [affine_map<(n1, b, j, t, n0) -> (0, n1, n0, b, j)>, affine_map<(n1, b, j, t, n0) -> (0, n1, n0, b)>,
                                          affine_map<(n1, b, j, t, n0) -> (n1, b, j, t, n0)>],
                         iterator_types = ["parallel", "parallel", "parallel", "parallel", "parallel"]}
-        ins(%P4, %S3 : tensor<1x{{ o // 16 }}x16x{{ i // 32 }}x16xi8>, tensor<1x{{ o // 16 }}x16x{{ i // 32 }}xi8>)
-        outs(%e : tensor<{{ o // 16 }}x{{ i // 32 }}x16x2x16xf32>) {
+        ins(%P4, %S3 : tensor<1x{{ o // T }}x{{ T }}x{{ i // 32 }}x16xi8>, tensor<1x{{ o // T }}x{{ T }}x{{ i // 32 }}xi8>)
+        outs(%e : tensor<{{ o // T }}x{{ i // 32 }}x16x2x{{ T }}xf32>) {
     ^bb0(%p: i8, %s: i8, %out: f32):
       %c1 = arith.constant 1 : i32
       %c2 = arith.constant 2 : i32
@@ -70,13 +70,13 @@ module {
       %scale = arith.bitcast %sr : i32 to f32
       %r = arith.mulf %v, %scale : f32
       linalg.yield %r : f32
-    } -> tensor<{{ o // 16 }}x{{ i // 32 }}x16x2x16xf32>
-    %W3 = tensor.collapse_shape %W [[0], [1, 2, 3], [4]] : tensor<{{ o // 16 }}x{{ i // 32 }}x16x2x16xf32> into tensor<{{ o // 16 }}x{{ i }}x16xf32>
-    %W4 = tensor.expand_shape %W3 [[0], [1], [2, 3]] output_shape [{{ o // 16 }}, {{ i }}, 16, 1] : tensor<{{ o // 16 }}x{{ i }}x16xf32> into {{ rhs_type(o, i) }}
+    } -> tensor<{{ o // T }}x{{ i // 32 }}x16x2x{{ T }}xf32>
+    %W3 = tensor.collapse_shape %W [[0], [1, 2, 3], [4]] : tensor<{{ o // T }}x{{ i // 32 }}x16x2x{{ T }}xf32> into tensor<{{ o // T }}x{{ i }}x{{ T }}xf32>
+    %W4 = tensor.expand_shape %W3 [[0], [1], [2, 3]] output_shape [{{ o // T }}, {{ i }}, {{ T }}, 1] : tensor<{{ o // T }}x{{ i }}x{{ T }}xf32> into {{ rhs_type(o, i) }}
     return %W4 : {{ rhs_type(o, i) }}
   }
 {% endfor %}
-  func.func private @{{ act }}({{ acc_type(I) }}, {{ acc_type(I) }}) -> tensor<?x{{ I // 16 }}x16x16xf32>
+  func.func private @{{ act }}({{ acc_type(I) }}, {{ acc_type(I) }}) -> tensor<?x{{ I // T }}x{{ T }}x{{ T }}xf32>
   func.func @{{ name }}(%rows: {{ rows }}, %w1p: tensor<1x{{ I }}x{{ L // 2 }}xi8>, %w1s: tensor<1x{{ I }}x{{ L // 32 }}xi8>,
                     %w3p: tensor<1x{{ I }}x{{ L // 2 }}xi8>, %w3s: tensor<1x{{ I }}x{{ L // 32 }}xi8>,
                     %w2p: tensor<1x{{ L }}x{{ I // 2 }}xi8>, %w2s: tensor<1x{{ L }}x{{ I // 32 }}xi8>) -> {{ rows }} {
@@ -87,24 +87,24 @@ module {
     %W2 = func.call @{{ name }}_rhs_down(%w2p, %w2s) : (tensor<1x{{ L }}x{{ I // 2 }}xi8>, tensor<1x{{ L }}x{{ I // 32 }}xi8>) -> {{ rhs_type(L, I) }}
     %n = tensor.dim %rows, %c0 : {{ rows }}
     {#- arith, not affine.apply: an affine op keeps the function from being inlined into the loop #}
-    %c15 = arith.constant 15 : index
-    %c16 = arith.constant 16 : index
-    %n15 = arith.addi %n, %c15 : index
-    %n1 = arith.divui %n15, %c16 : index
+    %cm = arith.constant {{ T - 1 }} : index
+    %cT = arith.constant {{ T }} : index
+    %nm = arith.addi %n, %cm : index
+    %n1 = arith.divui %nm, %cT : index
     %xe = tensor.empty(%n1) : {{ lhs_type(L) }}
-    %x = linalg.pack %rows padding_value(%zero : f32) inner_dims_pos = [0, 1] inner_tiles = [16, 1] into %xe : {{ rows }} -> {{ lhs_type(L) }}
+    %x = linalg.pack %rows padding_value(%zero : f32) inner_dims_pos = [0, 1] inner_tiles = [{{ T }}, 1] into %xe : {{ rows }} -> {{ lhs_type(L) }}
     %ge = tensor.empty(%n1) : {{ acc_type(I) }}
     %gf = linalg.fill ins(%zero : f32) outs(%ge : {{ acc_type(I) }}) -> {{ acc_type(I) }}
     %g = linalg.mmt4d ins(%x, %W1 : {{ lhs_type(L) }}, {{ rhs_type(I, L) }}) outs(%gf : {{ acc_type(I) }}) -> {{ acc_type(I) }}
     %u = linalg.mmt4d ins(%x, %W3 : {{ lhs_type(L) }}, {{ rhs_type(I, L) }}) outs(%gf : {{ acc_type(I) }}) -> {{ acc_type(I) }}
-    %h = func.call @{{ act }}(%g, %u) : ({{ acc_type(I) }}, {{ acc_type(I) }}) -> tensor<?x{{ I // 16 }}x16x16xf32>
-    %h4 = tensor.expand_shape %h [[0], [1], [2], [3, 4]] output_shape [%n1, {{ I // 16 }}, 16, 16, 1] : tensor<?x{{ I // 16 }}x16x16xf32> into tensor<?x{{ I // 16 }}x16x16x1xf32>
-    %hp = tensor.collapse_shape %h4 [[0], [1, 2], [3], [4]] : tensor<?x{{ I // 16 }}x16x16x1xf32> into {{ lhs_type(I) }}
+    %h = func.call @{{ act }}(%g, %u) : ({{ acc_type(I) }}, {{ acc_type(I) }}) -> tensor<?x{{ I // T }}x{{ T }}x{{ T }}xf32>
+    %h4 = tensor.expand_shape %h [[0], [1], [2], [3, 4]] output_shape [%n1, {{ I // T }}, {{ T }}, {{ T }}, 1] : tensor<?x{{ I // T }}x{{ T }}x{{ T }}xf32> into tensor<?x{{ I // T }}x{{ T }}x{{ T }}x1xf32>
+    %hp = tensor.collapse_shape %h4 [[0], [1, 2], [3], [4]] : tensor<?x{{ I // T }}x{{ T }}x{{ T }}x1xf32> into {{ lhs_type(I) }}
     %ye = tensor.empty(%n1) : {{ acc_type(L) }}
     %yf = linalg.fill ins(%zero : f32) outs(%ye : {{ acc_type(L) }}) -> {{ acc_type(L) }}
     %y4 = linalg.mmt4d ins(%hp, %W2 : {{ lhs_type(I) }}, {{ rhs_type(L, I) }}) outs(%yf : {{ acc_type(L) }}) -> {{ acc_type(L) }}
     %out = tensor.empty(%n) : {{ rows }}
-    %y = linalg.unpack %y4 inner_dims_pos = [0, 1] inner_tiles = [16, 16] into %out : {{ acc_type(L) }} -> {{ rows }}
+    %y = linalg.unpack %y4 inner_dims_pos = [0, 1] inner_tiles = [{{ T }}, {{ T }}] into %out : {{ acc_type(L) }} -> {{ rows }}
     return %y : {{ rows }}
   }
 }
