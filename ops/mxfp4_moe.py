@@ -146,11 +146,9 @@ UNROLL = 32  # most experts in one straight-line run of the prefill form (k3-sma
 
 def unrolled(n_experts: int) -> int:
     """Experts per trip of the prefill form's loop: the largest divisor of E up to ``UNROLL`` (all
-    of them, no loop, for E <= UNROLL; K3's 896: 32, 28 trips, so 28 copies of the results where a
-    loop over single experts made 896). k3-small's MoE layer at 8,192 tokens: 1.0 s with a loop
-    over its 32 experts, 0.7 s without (AMD EPYC, one thread, heap kept: utils/memory.py). The
-    full K3's iree-compile for cpu: 272 s CPU and 508 MiB peak with single experts, 265 s and 881
-    MiB with 32 per trip, 434 s and 1354 MiB with 64."""
+    of them, no loop, for E <= UNROLL; K3's 896: 32, 28 trips, so 28 copies of the loop-carried
+    results where a loop over single experts made 896). Run time and compile memory at each
+    choice: docs/pipeline.md §6."""
     return max(d for d in range(1, min(n_experts, UNROLL) + 1) if n_experts % d == 0)
 
 

@@ -1,9 +1,10 @@
 {#- The tiled product of many rows (ops/linear.py tiled): y [.., O] = x [.., IN] W^T for f32 x whose
-    leading dims hold one dynamic row count, W [O, IN] f32 or bf16, as one 16x16x1 linalg.mmt4d (IREE's
-    CPU tiled matmul) without the data-tiling flag. W is widened and laid out once per call into the
-    mmt4d's right-hand tiles [O/16, IN, 16, 1] by one elementwise op; the rows are packed (zero padded
-    to a multiple of 16) and the 16x16 result tiles unpacked. `lead` are the leading dims of x and y
-    ("?" for the dynamic one, at position `dyn`). -#}
+    leading dims hold one dynamic row count, W [O, IN] f32 or bf16, as one linalg.mmt4d on M0 x N0 x 1
+    tiles (IREE's CPU tiled matmul; the tile is the CPU level's, docs/pipeline.md §4) without the
+    data-tiling flag. W is widened and laid out once per call into the mmt4d's right-hand tiles
+    [O/N0, IN, N0, 1] by one elementwise op; the rows are packed (zero padded to a multiple of M0)
+    and the M0 x N0 result tiles unpacked. `lead` are the leading dims of x and y ("?" for the
+    dynamic one, at position `dyn`). -#}
 {% set xs = "tensor<%sxf32>" % "x".join(lead + [IN|string]) %}
 {% set ys = "tensor<%sxf32>" % "x".join(lead + [O|string]) %}
 {% set rows = "tensor<?x%dxf32>" % IN %}

@@ -1,10 +1,10 @@
-{#- One expert of the MXFP4 prefill on llvm-cpu (ops/mxfp4_moe.py tiled_ffn): rows [R, L] ->
-    W2 act(W1 rows, W3 rows), as three linalg.mmt4d on 16x16x1 tiles (IREE's CPU tiled matmul,
-    which runs ~2x its default matmul here) without the data-tiling flag. Each matrix [1, out, in]
-    is dequantised once by @{{name}}_rhs_up / _down straight into the mmt4d's right-hand layout [out/16, in,
-    16, 1] by integer ops (no table); the rows are packed (zero padded to a multiple of 16), the
-    activation @{{act}} (traced from PyTorch) takes the 16x16 output tiles and transposes them
-    into the left-hand layout of the last product, whose tiles are unpacked to [R, L]. -#}
+{#- One expert of the MXFP4 prefill on the CPU levels (ops/mxfp4_moe.py tiled_expert): rows [R, L] ->
+    W2 act(W1 rows, W3 rows), as three linalg.mmt4d on T x T x 1 tiles (IREE's CPU tiled matmul; T
+    is the CPU level's, docs/pipeline.md §4) without the data-tiling flag. Each matrix [1, out, in]
+    is dequantised once by @{{name}}_rhs_up / _down straight into the mmt4d's right-hand layout
+    [out/T, in, T, 1] by integer ops (no table); the rows are packed (zero padded to a multiple of
+    T), the activation @{{act}} (traced from PyTorch) takes the T x T output tiles and transposes
+    them into the left-hand layout of the last product, whose tiles are unpacked to [R, L]. -#}
 {% set rows = "tensor<?x%dxf32>" % L %}
 {% macro rhs_type(o, i) %}tensor<{{ o // T }}x{{ i }}x{{ T }}x1xf32>{% endmacro %}
 {% macro lhs_type(i) %}tensor<?x{{ i }}x{{ T }}x1xf32>{% endmacro %}
@@ -15,7 +15,7 @@ module {
     %P4 = tensor.expand_shape %P [[0], [1, 2], [3, 4]] output_shape [1, {{ o // T }}, {{ T }}, {{ i // 32 }}, 16] : tensor<1x{{ o }}x{{ i // 2 }}xi8> into tensor<1x{{ o // T }}x{{ T }}x{{ i // 32 }}x16xi8>
     %S3 = tensor.expand_shape %S [[0], [1, 2], [3]] output_shape [1, {{ o // T }}, {{ T }}, {{ i // 32 }}] : tensor<1x{{ o }}x{{ i // 32 }}xi8> into tensor<1x{{ o // T }}x{{ T }}x{{ i // 32 }}xi8>
     %e = tensor.empty() : tensor<{{ o // T }}x{{ i // 32 }}x16x2x{{ T }}xf32>
-    {#- output dims (n1, b, j, t, n0): element 32b + 2j + t of row 16 n1 + n0, nibble t of byte j #}
+    {#- output dims (n1, b, j, t, n0): element 32b + 2j + t of row T n1 + n0, nibble t of byte j #}
     %W = linalg.generic {indexing_maps = [affine_map<(n1, b, j, t, n0) -> (0, n1, n0, b, j)>, affine_map<(n1, b, j, t, n0) -> (0, n1, n0, b)>,
                                          affine_map<(n1, b, j, t, n0) -> (n1, b, j, t, n0)>],
                         iterator_types = ["parallel", "parallel", "parallel", "parallel", "parallel"]}
