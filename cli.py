@@ -288,7 +288,7 @@ def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir, config_
 
 @main.command("compile")
 @source_options
-@click.option("--target", default="cpu", show_default=True, help="cpu, cpu:x86-64, cuda[:sm_XX], rocm[:gfxXXX], vulkan[:profile].")
+@click.option("--target", default="cpu", show_default=True, help="cpu (this CPU), cpu:x86-64, cpu:x86-64-v3 (AVX2), cpu:x86-64-v4 (AVX-512), cuda[:sm_XX], rocm[:gfxXXX], vulkan[:profile].")
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None, help="Bundle directory (default out/<name>-<target>).")
 @click.option("--onnx", "onnx_dir", type=click.Path(file_okay=False), default=None,
               help="Compile an ONNX export directory (k3c export --format onnx) instead of --preset/--checkpoint; "

@@ -7,7 +7,7 @@ program reads each weight as stored and widens it where it is multiplied.
     llvm-cpu  one row of x (a decode step) against bf16 W: the streamed matvec
               (templates/bf16_matvec.mlir), W read where it lies as i32 words of two bf16, 16 partial
               sums per row with the vector lanes on a parallel dim (IREE's default matvec reads W at a
-              fraction of copy bandwidth: docs/benchmarks.md). Every other shape: the default.
+              fraction of copy bandwidth). Every other shape: the default.
     cpu:x86-64-v3, cpu:x86-64-v4
               besides the streamed matvec, f32 rows of a dynamic count (prefill) as one
               ``linalg.mmt4d`` on T x T x 1 tiles (templates/linear_tiled.mlir), W widened into its
