@@ -56,7 +56,11 @@ FORCE = click.option("--force", is_flag=True,
 def load_config(preset: str | None, config: str | None):
     from .model.config import K3Config
     if config:
-        return K3Config.from_hf(config)
+        cfg = K3Config.from_hf(config)
+        if cfg.ignored_keys:
+            click.echo(f"note: config: ignored keys k3c does not know (outside the model's math): "
+                       f"{', '.join(cfg.ignored_keys)}", err=True)
+        return cfg
     return K3Config.preset(preset or "k3-tiny")
 
 

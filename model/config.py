@@ -54,6 +54,22 @@ FIXED = {
     "pretraining_tp": (1, None),
     "use_grouped_topk": None,                # checked with num_expert_group
 }
+# transformers' PretrainedConfig keys every saved config carries (generation defaults, export and
+# task switches, token ids of the tokenizer): none sets the text model's math.
+TRANSFORMERS_GENERIC = frozenset({
+    "_name_or_path", "add_cross_attention", "bad_words_ids", "begin_suppress_tokens", "chunk_size_feed_forward",
+    "cross_attention_hidden_size", "decoder_start_token_id", "diversity_penalty", "do_sample", "early_stopping",
+    "encoder_no_repeat_ngram_size", "exponential_decay_length_penalty", "finetuning_task", "forced_bos_token_id",
+    "forced_eos_token_id", "id2label", "is_decoder", "is_encoder_decoder", "label2id", "length_penalty",
+    "max_length", "min_length", "no_repeat_ngram_size", "num_beam_groups", "num_beams", "num_return_sequences",
+    "output_attentions", "output_hidden_states", "output_scores", "prefix", "problem_type", "pruned_heads",
+    "remove_invalid_values", "repetition_penalty", "return_dict", "return_dict_in_generate", "sep_token_id",
+    "suppress_tokens", "task_specific_params", "temperature", "tf_legacy_loss", "tie_encoder_decoder",
+    "tokenizer_class", "top_k", "top_p", "torchscript", "typical_p", "use_bfloat16", "_attn_implementation",
+    "_commit_hash", "transformers_version",
+})
+# the multimodal wrapper's own keys (the vision tower and its placeholders; k3c runs the text model)
+WRAPPER_OWN = frozenset({"ignore_index", "image_placeholder", "media_placeholder_token_id", "vision_config"})
 # Keys that cannot change the text model's math, accepted knowingly and ignored: token ids, dtypes,
 # provenance, generation and output switches of transformers' PretrainedConfig; rope_* (MLA uses
 # NoPE: docs/model.md §2 step 4); head_dim / qk_head_dim (derived from the MLA fields); dropout (inference).
@@ -64,7 +80,14 @@ IGNORED = frozenset({
     "chunk_size_feed_forward", "is_encoder_decoder", "rope_theta", "rope_scaling", "rope_parameters",
     "head_dim", "qk_head_dim", "attention_dropout", "media_placeholder_token_id", "vision_config",
     "text_config", "model_type",
-})
+}) | TRANSFORMERS_GENERIC | WRAPPER_OWN
+# compressed-tensors keys k3c reads or knows to be inert, at each level of ``quantization_config``;
+# any other key there could change how the weights decode and is refused
+QUANT_KEYS = frozenset({"quant_method", "format", "config_groups", "ignore", "group_size", "global_compression_ratio",
+                        "kv_cache_scheme", "quantization_status", "sparsity_config", "transform_config", "version"})
+QUANT_GROUP_KEYS = frozenset({"targets", "weights", "format", "input_activations", "output_activations"})
+QUANT_WEIGHT_KEYS = frozenset({"num_bits", "type", "strategy", "group_size", "symmetric", "scale_dtype", "dynamic",
+                               "actorder", "block_structure", "observer", "observer_kwargs", "zp_dtype"})
 KDA_TYPES = {"num_heads": "int", "head_dim": "int", "short_conv_kernel_size": "int",
              "gate_lower_bound": "float | None", "use_full_rank_gate": "bool",
              "full_attn_layers": "list[int]", "kda_layers": "list[int]"}
@@ -99,11 +122,15 @@ def need_type(name: str, value: Any, annotation: str) -> None:
         raise ConfigError(f"config field '{name}': expected {want}, got {json.dumps(value, default=repr)}")
 
 
-def refuse_unknown(raw: dict[str, Any], known: set[str] | frozenset[str]) -> None:
-    """A key k3c does not know could change the model's math: refused, never ignored."""
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"config field '{unknown[0]}': not a key k3c knows (it could change the model's math)")
+def unknown_keys(raw: dict[str, Any], known: set[str] | frozenset[str], where: str = "") -> list[str]:
+    """The keys of ``raw`` outside ``known``, named by their path (``where`` is the parent's)."""
+    return [f"{where}{k}" for k in sorted(set(raw) - known)]
+
+
+def refuse(problems: list[str]) -> None:
+    """Every problem of a config in one ConfigError, each naming its field."""
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def every_fourth_and_last(num_layers: int) -> list[int]:
@@ -166,6 +193,9 @@ class K3Config:
     # "kimi_linear" (the Kimi Linear Hub / transformers names, kimi_linear.py). Not part of the model:
     # left out of ``to_dict`` and ``hash``.
     layout: str = field(default="k3c", compare=False)
+    # keys of the file k3c has never heard of, outside the math-bearing groups: ignored, and said
+    # once by whoever reads the file (cli.py load_config). Not part of the model, like ``layout``.
+    ignored_keys: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -240,12 +270,28 @@ class K3Config:
 
     # ---- validation ---------------------------------------------------------------------
     def validate(self) -> None:
+        """Every field checked; all the problems found reported in one ConfigError (types first:
+        the value checks need the right types)."""
+        problems: list[str] = []
+
         def need(ok: bool, name: str, why: str) -> None:
             if not ok:
-                raise ConfigError(f"config field '{name}': {why}")
+                problems.append(f"config field '{name}': {why}")
 
         for f in dataclasses.fields(self):
-            need_type(f.name, getattr(self, f.name), f.type)
+            if f.name == "ignored_keys":
+                continue
+            try:
+                need_type(f.name, getattr(self, f.name), f.type)
+            except ConfigError as e:
+                problems.append(str(e))
+        for key, kind in KDA_TYPES.items():
+            if isinstance(self.kda, dict) and key in self.kda:
+                try:
+                    need_type(f"linear_attn_config.{key}", self.kda[key], kind)
+                except ConfigError as e:
+                    problems.append(str(e))
+        refuse(problems)
         need(self.model_type in MODEL_TYPES, "model_type",
              f"unknown model_type {self.model_type!r} (supported: {', '.join(MODEL_TYPES)})")
         need(self.layout in LAYOUTS, "layout", f"unknown layout {self.layout!r}")
@@ -272,13 +318,13 @@ class K3Config:
         need(self.num_expert_group == 1 and self.topk_group == 1, "num_expert_group",
              "only one expert group is supported")
         need(self.num_shared_experts >= 0, "num_shared_experts", "must be >= 0")
-        for key, kind in KDA_TYPES.items():
-            if key in self.kda:
-                need_type(f"linear_attn_config.{key}", self.kda[key], kind)
-            else:
-                need(key in KDA_OPTIONAL, f"linear_attn_config.{key}", "missing")
-        unknown = sorted(set(self.kda) - set(KDA_TYPES))
-        need(not unknown, f"linear_attn_config.{unknown[0] if unknown else ''}", "not a key k3c knows")
+        for key in KDA_TYPES:
+            need(key in self.kda or key in KDA_OPTIONAL, f"linear_attn_config.{key}", "missing")
+        for key in unknown_keys(self.kda, set(KDA_TYPES), "linear_attn_config."):
+            need(False, key, "not a key k3c knows (it could change the model's math)")
+        if self.quantization_config is not None:
+            problems += self.quantization_problems()
+        refuse(problems)   # the checks below read the KDA keys
         need(self.kda_heads > 0 and self.kda_head_dim > 0, "linear_attn_config.head_dim",
              "heads and head_dim must be positive")
         need(self.conv_size >= 1, "linear_attn_config.short_conv_kernel_size", "must be >= 1")
@@ -292,16 +338,21 @@ class K3Config:
                  "kda_layers and full_attn_layers must partition layers 1..num_hidden_layers")
         if self.gate_lower_bound is not None:
             need(self.gate_lower_bound < 0, "linear_attn_config.gate_lower_bound", "must be negative")
-        if self.quantization_config is not None:
-            self.validate_quantization()
+        refuse(problems)
 
-    def validate_quantization(self) -> None:
-        """k3c runs one quantisation: compressed-tensors MXFP4 (docs/model.md §5, §8), group size 32."""
+    def quantization_problems(self) -> list[str]:
+        """k3c runs one quantisation: compressed-tensors MXFP4 (docs/model.md §5, §8), group size 32,
+        weights only; a key it does not know in the block is refused (it could change the decode)."""
         q = self.quantization_config
+        problems: list[str] = []
 
         def need(ok: bool, key: str, why: str) -> None:
             if not ok:
-                raise ConfigError(f"config field 'quantization_config.{key}': {why}")
+                problems.append(f"config field 'quantization_config.{key}': {why}")
+
+        for key in unknown_keys(q, QUANT_KEYS):
+            need(False, key, "not a key k3c knows (it could change how the weights decode)")
+        need(q.get("kv_cache_scheme") is None, "kv_cache_scheme", "k3c runs an unquantised cache (null)")
 
         fmt = q.get("format")
         need(q.get("quant_method") in ("compressed-tensors", "mxfp4"), "quant_method",
@@ -311,11 +362,21 @@ class K3Config:
         groups = q.get("config_groups", {})
         need(isinstance(groups, dict) and all(isinstance(g, dict) for g in groups.values()), "config_groups",
              "expected an object of groups")
-        for name, group in groups.items():
+        for name, group in (groups.items() if isinstance(groups, dict) else ()):
+            if not isinstance(group, dict):
+                continue
+            for key in unknown_keys(group, QUANT_GROUP_KEYS, f"config_groups.{name}."):
+                need(False, key, "not a key k3c knows (it could change how the weights decode)")
+            for part in ("input_activations", "output_activations"):
+                need(group.get(part) is None, f"config_groups.{name}.{part}", "k3c quantises weights only (null)")
             weights = group.get("weights") or {}
             need(isinstance(weights, dict), f"config_groups.{name}.weights", "expected an object")
+            if not isinstance(weights, dict):
+                continue
+            for key in unknown_keys(weights, QUANT_WEIGHT_KEYS, f"config_groups.{name}.weights."):
+                need(False, key, "not a key k3c knows (it could change how the weights decode)")
             size = weights.get("group_size", MXFP4_GROUP)
-            need_type(f"quantization_config.config_groups.{name}.weights.group_size", size, "int")
+            need(_is_int(size), f"config_groups.{name}.weights.group_size", f"expected an integer, got {size!r}")
             need(size == MXFP4_GROUP, f"config_groups.{name}.weights.group_size",
                  f"MXFP4 scales groups of {MXFP4_GROUP} elements, got {size}")
             need(weights.get("num_bits", 4) == 4 and weights.get("type", "float") == "float",
@@ -326,7 +387,9 @@ class K3Config:
         ignore = q.get("ignore", [])
         need(isinstance(ignore, list) and all(isinstance(p, str) for p in ignore), "ignore",
              "expected a list of strings")
-        for p in ignore:
+        for p in (ignore if isinstance(ignore, list) else ()):
+            if not isinstance(p, str):
+                continue
             try:
                 re.compile(p[3:]) if p.startswith("re:") else None
             except re.error as e:
@@ -334,12 +397,13 @@ class K3Config:
         expert_input = "routed_expert_hidden_size" if self.is_latent_moe else "hidden_size"
         for name, v in (("moe_intermediate_size", self.moe_intermediate_size), (expert_input, self.expert_input_size)):
             if v % MXFP4_GROUP:
-                raise ConfigError(f"config field '{name}': {v} is not a multiple of the MXFP4 group size {MXFP4_GROUP}")
+                problems.append(f"config field '{name}': {v} is not a multiple of the MXFP4 group size {MXFP4_GROUP}")
+        return problems
 
     # ---- I/O ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The model's fields (not ``layout``): what ``hash`` covers and the manifest records."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "layout"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("layout", "ignored_keys")}
 
     def to_json(self) -> str:
         """The config.json k3c writes beside K3Model's own tensor names (``architectures`` says so)."""
@@ -364,43 +428,53 @@ class K3Config:
         if model_type == "kimi_k3" and "text_config" in raw:
             text = raw["text_config"]
             need_type("text_config", text, "dict")
-            refuse_unknown(raw, WRAPPER_KEYS)
+            ignored = unknown_keys(raw, WRAPPER_KEYS)
             quant = [q for q in (raw.get("quantization_config"), text.get("quantization_config")) if q is not None]
             if len(quant) == 2 and quant[0] != quant[1]:
                 raise ConfigError("config field 'quantization_config': the top level and text_config disagree")
             if raw.get("tie_word_embeddings", False) != text.get("tie_word_embeddings", False):
                 raise ConfigError("config field 'tie_word_embeddings': the top level and text_config disagree")
             return cls._from_fields({**text, "quantization_config": quant[0] if quant else None},
-                                    model_type, "k3_release")
+                                    model_type, "k3_release", ignored)
         if model_type == "kimi_linear":
             return cls._from_fields(kimi_linear_fields(raw), model_type, "kimi_linear")
         return cls._from_fields(raw, model_type, "k3c")
 
     @classmethod
-    def _from_fields(cls, raw: dict[str, Any], model_type: Any, layout: str) -> "K3Config":
+    def _from_fields(cls, raw: dict[str, Any], model_type: Any, layout: str,
+                     ignored: list[str] | None = None) -> "K3Config":
         """K3Config from a dict of its fields (aliases allowed), after the key checks: a key k3c
-        reads but does not keep must hold the value k3c computes (FIXED), a key k3c does not know
-        is refused unless it cannot change the math (IGNORED)."""
+        reads but does not keep must hold the value k3c computes (FIXED); a key known not to change
+        the math (IGNORED) is dropped; a key k3c has never heard of is dropped and listed in
+        ``ignored_keys`` (``ignored``: the wrapper's). Inside the math-bearing groups
+        (``linear_attn_config``, ``quantization_config``) an unknown key is refused (``validate``).
+        Every problem is reported in one ConfigError."""
         need_type("model_type", model_type, "str")
         raw = dict(raw)
         for alias, name in ALIASES.items():
             if alias in raw:
                 value = raw.pop(alias)
                 raw.setdefault(name, value)
-        names = {f.name for f in dataclasses.fields(cls)} - {"layout"}
-        refuse_unknown(raw, names | FIXED.keys() | IGNORED)
+        names = {f.name for f in dataclasses.fields(cls)} - {"layout", "ignored_keys"}
+        ignored = [*(ignored or []), *unknown_keys(raw, names | FIXED.keys() | IGNORED)]
+        problems = []
         for key, value in raw.items():
             if key in FIXED and FIXED[key] is not None and not any(
                     type(value) is type(v) and value == v for v in FIXED[key]):
                 allowed = " or ".join(json.dumps(v) for v in FIXED[key])
-                raise ConfigError(f"config field '{key}': k3c implements {allowed} only, got {json.dumps(value)}")
+                problems.append(f"config field '{key}': k3c implements {allowed} only, got {json.dumps(value)}")
         kv_heads = raw.get("num_key_value_heads")
         if kv_heads is not None and kv_heads != raw.get("num_attention_heads", cls.num_attention_heads):
-            raise ConfigError(f"config field 'num_key_value_heads': must equal num_attention_heads, got {kv_heads!r}")
+            problems.append(f"config field 'num_key_value_heads': must equal num_attention_heads, got {kv_heads!r}")
         if raw.get("use_grouped_topk") and (raw.get("num_expert_group", 1), raw.get("topk_group", 1)) != (1, 1):
-            raise ConfigError("config field 'use_grouped_topk': k3c implements one expert group only")
+            problems.append("config field 'use_grouped_topk': k3c implements one expert group only")
         kwargs = {k: v for k, v in raw.items() if k in names and k != "model_type"}
-        return cls(**kwargs, model_type=model_type, layout=layout)
+        try:
+            cfg = cls(**kwargs, model_type=model_type, layout=layout, ignored_keys=tuple(ignored))
+        except ConfigError as e:
+            problems.append(str(e))
+        refuse(problems)
+        return cfg
 
     @classmethod
     def from_hf(cls, path: str | Path) -> "K3Config":

@@ -1,4 +1,4 @@
-"""Config and checkpoint input k3c must refuse in one line naming the problem (issues 12 and 14):
+"""Config and checkpoint input k3c must refuse in one line naming the problem:
 fields of the wrong JSON type, values of keys k3c does not implement, quantization that disagrees with
 what is stored, files that are not the checkpoint, paths out of it, broken headers, NaN weights."""
 from __future__ import annotations
@@ -84,9 +84,7 @@ def test_wrong_field_type_names_the_field_and_type(tmp_path, raw, words):
     (k3("attention_bias", True), "attention_bias"),
     (k3("moe_layer_freq", 2), "moe_layer_freq"),
     (k3("hidden_act", "gelu"), "hidden_act"),
-    (k3("some_new_knob", 1), "some_new_knob"),
     (k3("linear_attn_config.some_new_knob", 1), "linear_attn_config.some_new_knob"),
-    (edited(k3_release_config(), "some_wrapper_knob", 1), "some_wrapper_knob"),
     (edited(k3_release_config(), "tie_word_embeddings", True), "tie_word_embeddings"),
     (k3("quantization_config.config_groups.group_0.weights.group_size", 64), "group_size"),
     (k3("quantization_config.format", "nvfp4-pack-quantized"), "quantization_config.format"),
