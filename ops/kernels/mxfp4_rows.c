@@ -59,43 +59,32 @@ static inline __m512 scales(__m512i s) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(s, 23), nan));
 }
 
-/* Rows [group * rows_per_group, ...) of expert e's matrix (`rows` rows, `in` a multiple of 128). */
-void k3c_mxfp4_rows(MEMREF(const uint8_t, packed), MEMREF(const uint8_t, scale), MEMREF(const float, act),
-                    MEMREF(float, out), size_t e, size_t rows, size_t in, size_t rows_per_group, size_t group) {
-  const uint8_t* P = packed_aligned + packed_offset + e * rows * (in / 2);
-  const uint8_t* S = scale_aligned + scale_offset + e * rows * (in / 32);
-  const float* xt = act_aligned + act_offset;
-  float* y = out_aligned + out_offset;
+/* y[o] for one row: its packed codes p, scales s, over `chunks` chunks of 128 weights. */
+static inline float row(const uint8_t* p, const uint8_t* s, const float* xt, size_t chunks) {
   const __m512 table = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                                       -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
   const __m512i block_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const __m512i four = _mm512_set1_epi32(4);
-  size_t chunks = in / 128, o0 = group * rows_per_group, o1 = o0 + rows_per_group;
-  if (o1 > rows) o1 = rows;
-  for (size_t o = o0; o < o1; ++o) {
-    const uint8_t* p = P + o * (in / 2);
-    const uint8_t* s = S + o * (in / 32);
-    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-    size_t c = 0;
-    for (; c + 4 <= chunks; c += 4) {  /* 4 chunks: their 16 scales in one vector */
-      __m512 sc = scales(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(s + 4 * c))));
-      __m512i block = block_of_lane;
-      for (int i = 0; i < 4; ++i, block = _mm512_add_epi32(block, four)) {
-        _mm_prefetch((const char*)(p + 64 * (c + i)) + PREFETCH_AHEAD, _MM_HINT_T0);
-        __m512 sum = chunk(p + 64 * (c + i), xt + 128 * (c + i), table);
-        if (i & 1) odd = _mm512_fmadd_ps(sum, _mm512_permutexvar_ps(block, sc), odd);
-        else even = _mm512_fmadd_ps(sum, _mm512_permutexvar_ps(block, sc), even);
-      }
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+  size_t c = 0;
+  for (; c + 4 <= chunks; c += 4) {  /* 4 chunks: their 16 scales in one vector */
+    __m512 sc = scales(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(s + 4 * c))));
+    __m512i block = block_of_lane;
+    for (int i = 0; i < 4; ++i, block = _mm512_add_epi32(block, four)) {
+      _mm_prefetch((const char*)(p + 64 * (c + i)) + PREFETCH_AHEAD, _MM_HINT_T0);
+      __m512 sum = chunk(p + 64 * (c + i), xt + 128 * (c + i), table);
+      if (i & 1) odd = _mm512_fmadd_ps(sum, _mm512_permutexvar_ps(block, sc), odd);
+      else even = _mm512_fmadd_ps(sum, _mm512_permutexvar_ps(block, sc), even);
     }
-    for (; c < chunks; ++c) {  /* the last 1-3 chunks: 4 scale bytes each */
-      uint32_t s4;
-      __builtin_memcpy(&s4, s + 4 * c, 4);
-      __m512 sc = scales(_mm512_cvtepu8_epi32(_mm_cvtsi32_si128((int)s4)));
-      _mm_prefetch((const char*)(p + 64 * c) + PREFETCH_AHEAD, _MM_HINT_T0);
-      even = _mm512_fmadd_ps(chunk(p + 64 * c, xt + 128 * c, table), _mm512_permutexvar_ps(block_of_lane, sc), even);
-    }
-    y[o] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
   }
+  for (; c < chunks; ++c) {  /* the last 1-3 chunks: 4 scale bytes each */
+    uint32_t s4;
+    __builtin_memcpy(&s4, s + 4 * c, 4);
+    __m512 sc = scales(_mm512_cvtepu8_epi32(_mm_cvtsi32_si128((int)s4)));
+    _mm_prefetch((const char*)(p + 64 * c) + PREFETCH_AHEAD, _MM_HINT_T0);
+    even = _mm512_fmadd_ps(chunk(p + 64 * c, xt + 128 * c, table), _mm512_permutexvar_ps(block_of_lane, sc), even);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
 }
 #else  /* AVX2 and FMA */
 
@@ -118,6 +107,35 @@ static inline __m256 half_chunk(const uint8_t* p, const float* xc, __m256 magnit
   return _mm256_add_ps(acc[0], acc[1]);
 }
 
+/* y[o] for one row: its packed codes p, scales s, over `chunks` chunks of 128 weights. */
+static inline float row(const uint8_t* p, const uint8_t* s, const float* xt, size_t chunks) {
+  const __m256 magnitudes = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  /* lanes of half h take the scales of blocks 2h and 2h + 1 of their chunk */
+  const __m256i low_blocks = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const __m256i high_blocks = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  const __m128i one = _mm_set1_epi32(1);
+  __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+  for (size_t c = 0; c < chunks; ++c) {
+    uint32_t s4;
+    __builtin_memcpy(&s4, s + 4 * c, 4);
+    __m128i b = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)s4));
+    __m128i nan = _mm_slli_epi32(_mm_srli_epi32(_mm_add_epi32(b, one), 8), 22);
+    __m256 sc = _mm256_castps128_ps256(_mm_castsi128_ps(_mm_or_si128(_mm_slli_epi32(b, 23), nan)));
+    _mm_prefetch((const char*)(p + 64 * c) + PREFETCH_AHEAD, _MM_HINT_T0);
+    even = _mm256_fmadd_ps(half_chunk(p + 64 * c, xt + 128 * c, magnitudes),
+                           _mm256_permutevar8x32_ps(sc, low_blocks), even);
+    odd = _mm256_fmadd_ps(half_chunk(p + 64 * c + 32, xt + 128 * c + 8, magnitudes),
+                          _mm256_permutevar8x32_ps(sc, high_blocks), odd);
+  }
+  __m256 t = _mm256_add_ps(even, odd);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+
+#endif
+
 /* Rows [group * rows_per_group, ...) of expert e's matrix (`rows` rows, `in` a multiple of 128). */
 void k3c_mxfp4_rows(MEMREF(const uint8_t, packed), MEMREF(const uint8_t, scale), MEMREF(const float, act),
                     MEMREF(float, out), size_t e, size_t rows, size_t in, size_t rows_per_group, size_t group) {
@@ -125,35 +143,7 @@ void k3c_mxfp4_rows(MEMREF(const uint8_t, packed), MEMREF(const uint8_t, scale),
   const uint8_t* S = scale_aligned + scale_offset + e * rows * (in / 32);
   const float* xt = act_aligned + act_offset;
   float* y = out_aligned + out_offset;
-  const __m256 magnitudes = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
-  /* lanes of half h take the scales of blocks 2h and 2h + 1 of their chunk */
-  const __m256i low_blocks = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const __m256i high_blocks = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-  const __m128i one = _mm_set1_epi32(1);
-  size_t chunks = in / 128, o0 = group * rows_per_group, o1 = o0 + rows_per_group;
+  size_t o0 = group * rows_per_group, o1 = o0 + rows_per_group;
   if (o1 > rows) o1 = rows;
-  for (size_t o = o0; o < o1; ++o) {
-    const uint8_t* p = P + o * (in / 2);
-    const uint8_t* s = S + o * (in / 32);
-    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-    for (size_t c = 0; c < chunks; ++c) {
-      uint32_t s4;
-      __builtin_memcpy(&s4, s + 4 * c, 4);
-      __m128i b = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)s4));
-      __m128i nan = _mm_slli_epi32(_mm_srli_epi32(_mm_add_epi32(b, one), 8), 22);
-      __m256 sc = _mm256_castps128_ps256(_mm_castsi128_ps(_mm_or_si128(_mm_slli_epi32(b, 23), nan)));
-      _mm_prefetch((const char*)(p + 64 * c) + PREFETCH_AHEAD, _MM_HINT_T0);
-      even = _mm256_fmadd_ps(half_chunk(p + 64 * c, xt + 128 * c, magnitudes),
-                             _mm256_permutevar8x32_ps(sc, low_blocks), even);
-      odd = _mm256_fmadd_ps(half_chunk(p + 64 * c + 32, xt + 128 * c + 8, magnitudes),
-                            _mm256_permutevar8x32_ps(sc, high_blocks), odd);
-    }
-    __m256 t = _mm256_add_ps(even, odd);
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    q = _mm_add_ss(q, _mm_movehdup_ps(q));
-    y[o] = _mm_cvtss_f32(q);
-  }
+  for (size_t o = o0; o < o1; ++o) y[o] = row(P + o * (in / 2), S + o * (in / 32), xt, in / 128);
 }
-
-#endif
