@@ -1,8 +1,11 @@
-"""The published configs, written from docs/model.md §0 and §8 (no downloads): the Kimi K3 release's
-multimodal wrapper and the Kimi-Linear-48B-A3B config."""
+"""The published configs: the Kimi K3 release's multimodal wrapper, read from its verbatim copy beside
+the repository (../shared/real/kimi-k3/config.json) where it is there, else written from
+docs/model.md §0 and §8; and the Kimi-Linear-48B-A3B config."""
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 FULL_ATTN_93 = [*range(4, 93, 4), 93]
 K3_QUANTIZATION = {
@@ -35,8 +38,18 @@ K3_TEXT = {  # docs/model.md §0
 VISION = {"model_type": "kimi_k3_vision", "hidden_size": 1152, "num_hidden_layers": 27}  # not read by k3c
 
 
+REAL_K3 = Path(__file__).resolve().parents[1].parent / "shared" / "real" / "kimi-k3" / "config.json"
+
+
 def k3_release_config(text: dict | None = None) -> dict:
-    """The K3 release's config.json (docs/model.md §8): the text model in ``text_config``."""
+    """The K3 release's config.json (docs/model.md §8): the text model in ``text_config``. From the
+    verbatim file where it is there: as published, or with ``text``'s keys over its text model's
+    (every other key, the generic transformers ones included, as released)."""
+    if REAL_K3.is_file():
+        raw = json.loads(REAL_K3.read_text())
+        if text is not None:
+            raw["text_config"] = {**raw["text_config"], **copy.deepcopy(text)}
+        return raw
     return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
             "auto_map": {"AutoConfig": "configuration_kimi_k3.KimiK3Config"},
             "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
