@@ -167,9 +167,15 @@ def _group(n_experts: int, ranged: bool = False):
         starts = counts.cumsum(0) - counts
         dest = starts[flat] + seen.gather(1, flat.unsqueeze(-1)).squeeze(-1) - 1
         # the token of each pair scattered, not its flat position divided by k: traced, the
-        # division is a float64 floor per gathered element
+        # division is a float64 floor per gathered element. dest is a permutation of the N*k
+        # positions, so every element of the target is written and the target can be any [N*k]
+        # tensor: ``flat``, not ``zeros_like(flat)``. A zero tensor of dynamic size reads no tensor,
+        # so IREE 3.13 makes it a dispatch of no operands that CSE shares between every MoE layer
+        # of an entry point, loop bodies included, and its stream partitioning can then leave that
+        # dispatch outside any execution region ("streamable op expected to be in an execution
+        # region": the 8- and 9-layer K3 plans at k3-tiny widths).
         token = torch.arange(N).unsqueeze(-1).expand(N, k).flatten()
-        src = torch.zeros_like(flat).scatter(0, dest, token)
+        src = flat.scatter(0, dest, token)
         return z[src].view(N, k, -1), dest.view(N, k), counts[:n_experts], starts[:n_experts]
     return group
 
