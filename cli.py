@@ -644,13 +644,25 @@ def targets(validate_preset, markdown, work):
 @click.option("--compile-layers", default=None, metavar="N,N,...",
               help="Depths of the compile section at k3-small widths (default 8,32,93; the section then "
                    "compiles the full K3 for cpu and cuda:sm_80: about an hour on 2 cores).")
-def bench(quick, json_out, plot_out, only, work, threads, compile_layers):
+@click.option("--markdown", "page_out", type=click.Path(dir_okay=False), default=None,
+              help="Write the benchmarks page (docs/benchmarks.md): of the RUNS given (JSON written by --json; "
+                   "nothing is measured then), else of this run.")
+@click.argument("runs", nargs=-1, type=click.Path(dir_okay=False))
+def bench(quick, json_out, plot_out, only, work, threads, compile_layers, page_out, runs):
     """Compiled CPU modules vs PyTorch eager, and compiler costs; every judged figure is a ratio of
-    measurements interleaved in this run. Prints a Markdown table of the targets; exit 0 even on misses."""
+    measurements interleaved in this run. Prints a Markdown table of the targets; exit 0 even on misses.
+    With RUNS and --markdown, only writes the page of those runs."""
     import dataclasses
+    import shlex
     from .interface.bench import FULL, QUICK, run_bench
     from .utils.files import write_atomic
-    from .interface.bench_report import markdown, plot, targets
+    from .interface.bench_report import markdown, page, plot, read_runs, targets
+    command = "k3c " + shlex.join(sys.argv[1:])
+    if runs:
+        if not page_out:
+            raise K3Error("bench: RUNS are rendered with --markdown PAGE (they are JSON files from --json)")
+        write_atomic(Path(page_out), page(read_runs(runs, Path(page_out).parent), command, Path(page_out)).encode())
+        return
     sizes = QUICK if quick else FULL
     if compile_layers:
         depths = [int(x) for x in compile_layers.split(",") if x.strip().isdigit()]
@@ -661,8 +673,12 @@ def bench(quick, json_out, plot_out, only, work, threads, compile_layers):
     with spinner("bench: current step"):
         result = run_bench(sizes, Path(work), only, threads=threads, log=log)
     result["targets"] = targets(result["sections"])
+    result["command"] = command
     if json_out:
         write_atomic(Path(json_out), json.dumps(result, indent=2).encode())
     if plot_out:
         plot(result, Path(plot_out))
+    if page_out:
+        name = os.path.relpath(json_out, Path(page_out).parent) if json_out else "not saved"
+        write_atomic(Path(page_out), page([(name, result)], command, Path(page_out)).encode())
     click.echo(markdown(result))

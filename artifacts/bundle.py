@@ -35,12 +35,12 @@ from importlib import metadata
 from pathlib import Path
 
 from ..errors import K3Error
+from ..exporter.entry_points import ENTRY_POINTS, REQUIRED
 from ..utils.files import digest_of, files_under, hash_dir, inside, recover, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = 3          # 2: entry points carry module_facts; 3: parameter table, weights, no_reference
 MODULE, REFERENCE, ARCHIVE = "module.vmfb", "reference.npz", "weights.irpa"
-ENTRY_POINTS = ("prefill", "decode")
 PACKAGES = ("k3c", "torch", "torch-mlir", "iree-base-compiler", "iree-base-runtime")
 
 
@@ -305,8 +305,10 @@ def check_module(bundle: Bundle) -> None:
     except (RuntimeError, ValueError) as e:
         raise K3Error(f"bundle: {bundle.module_path} is not an IREE module ({str(e).splitlines()[0][:200]})") from None
     for name, fn in found.items():
-        if fn is None:
+        if fn is None and name in REQUIRED:
             raise K3Error(f"bundle: {bundle.module_path} has no entry point {name!r}")
+        if fn is None:
+            continue
         got = fn.reflection
         for key, value in want.items():
             if got.get(key) == value:

@@ -42,7 +42,8 @@ from ..model.stacking import LayerRun, layer_groups, layer_runs, place, program_
 from ..ops.base import TensorType
 from ..utils.quiet import leafspec_deprecation_silenced
 from .devices import shard_experts
-from .layers import BODIES, RUNS, LayerBody, RunBody
+from .entry_points import ENTRY_POINTS
+from .layers import LayerBody, RunBody, running
 from .parameters import declare_parameter, load_parameter
 
 _TORCH_DTYPE_CODE = {torch.float32: 6, torch.float64: 7, torch.float16: 5, torch.bfloat16: 15}
@@ -70,8 +71,9 @@ class Program(nn.Module):
     is a run of its own (no loop: IREE 3.13's iree-stream-elide-timepoints fails on a loop whose body
     moves tensors between devices)."""
 
-    def __init__(self, model: K3Model, mode: str, devices: int = 1):
+    def __init__(self, model: K3Model, mode: str, devices: int = 1, bodies: dict[str, "LayerBody"] | None = None):
         super().__init__()
+        self.bodies = bodies or {}   # body key -> LayerBody (``layer_bodies``): what the placeholders run eagerly
         cfg = self.cfg = model.cfg
         self.mode, self.slots, self.places = mode, model.slots, place(cfg)
         self.model = nn.Module()
@@ -87,7 +89,7 @@ class Program(nn.Module):
         runs = layer_runs(cfg) if devices == 1 else [LayerRun(i, 1, 1) for i in range(cfg.num_hidden_layers)]
         for i, run in enumerate(runs):
             key = f"{mode}.{i}"
-            self.runs[key] = RUNS[key] = RunBody(self, run, key)
+            self.runs[key] = RunBody(self, run, key)
 
     def body(self, group: str, kind: str) -> str:
         """Each entry point calls bodies of its own (``BODY_FORMS``)."""
@@ -104,6 +106,10 @@ class Program(nn.Module):
         return [p.new_zeros(*shapes[s][0], dtype=shapes[s][1]) for s in self.state_names]
 
     def forward(self, tokens, *given):
+        with running({**self.bodies, **self.runs}):
+            return self._forward(tokens, *given)
+
+    def _forward(self, tokens, *given):
         cfg, m = self.cfg, self.model
         p = m.embed_tokens(tokens)
         B, T, D = p.shape
@@ -176,7 +182,6 @@ class _ParameterHooks(FxImporterHooks):
                                    operands=[as_torch, code]).result
 
 
-ENTRY_POINTS = ("prefill", "extend", "decode")
 # body form -> (decode step?, attention kinds it exists for): MLA starts a sequence without a cache
 BODY_FORMS = {"start": (False, ("mla",)), "prefill": (False, ("kda",)), "extend": (False, ("kda", "mla")),
               "decode": (True, ("kda", "mla"))}
@@ -249,16 +254,16 @@ def layer_entry_points(cfg, batch: int, max_prompt: int, rows: int) -> dict[str,
             for g in layer_groups(cfg).values()}
 
 
-def register_bodies(model: K3Model, stored: dict[str, torch.dtype] | None = None,
-                    weights: bool = False) -> dict[str, LayerBody]:
-    """One LayerBody per layer group and form (``BODY_FORMS``), registered in exporter.layers.BODIES
-    under its key "<group>.<form>" for the placeholders to run (with ``weights``, eagerly)."""
+def layer_bodies(model: K3Model, stored: dict[str, torch.dtype] | None = None,
+                 weights: bool = False) -> dict[str, LayerBody]:
+    """One LayerBody per layer group and form (``BODY_FORMS``) under its key "<group>.<form>", for a
+    Program's placeholders to call (with ``weights``, eagerly)."""
     made = {}
     for group in layer_groups(model.cfg).values():
         for form, (decode, kinds) in BODY_FORMS.items():
             if group.attention in kinds:
                 body = LayerBody(model, group, decode, stored, weights)
-                made[f"{group.name}.{form}"] = BODIES[f"{group.name}.{form}"] = body
+                made[f"{group.name}.{form}"] = body
     return made
 
 
@@ -299,7 +304,8 @@ def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None,
     with torch.no_grad():
         # bodies first: the entry points' placeholders run them when traced
         rows = Program(model, "prefill", devices).rows
-        for key, body in register_bodies(model, stored).items():
+        made = layer_bodies(model, stored)
+        for key, body in made.items():
             decode = BODY_FORMS[key.rsplit(".", 1)[1]][0]
             E = torch.zeros(rows, batch, 1 if decode else 2, cfg.hidden_size, dtype=model.dtype, device="meta")
             at = torch.zeros(2, dtype=torch.int32, device="meta")
@@ -314,11 +320,12 @@ def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None,
         inputs = {"prefill": (tokens,), "extend": (tokens, *state), "decode": (tokens[:, :1], *state)}
         dims = {"prefill": ({1: T},), "extend": ({1: T}, state_dims), "decode": (None, state_dims)}
         for mode in ENTRY_POINTS:
-            program = Program(model, mode, devices)
+            program = Program(model, mode, devices, made)
             programs[mode] = _export(program, inputs[mode], dims[mode], mode, timings, log)
             for key, run in program.runs.items():
                 if run.run.count > 1:
-                    runs[key] = _export(run, *_run_example(program, inputs[mode], T, L), f"run {key}", timings, log)
+                    with running({**made, **program.runs}):
+                        runs[key] = _export(run, *_run_example(program, inputs[mode], T, L), f"run {key}", timings, log)
     return programs, bodies, runs, timings
 
 
@@ -338,12 +345,6 @@ def _run_example(program: Program, inputs: tuple, T: Dim, L: Dim) -> tuple[tuple
     given_dims = [{2: L} if s == "mla_cache" else {} for s in program.state_names] if given else []
     k = torch.zeros(1, dtype=torch.long, device="meta")
     return (k, *carry, *given), (None, (*carry_dims, *given_dims))
-
-
-
-    @property
-    def text(self) -> str:
-        return str(self.module)
 
 
 class _Prefill(nn.Module):

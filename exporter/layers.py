@@ -22,6 +22,9 @@ Rows beyond the sources are masked out of the softmax. Without AttnRes (Kimi Lin
 """
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
+
 import torch
 from torch import Tensor, nn
 
@@ -32,14 +35,33 @@ from ..model.norms import upcast
 from ..model.stacking import LayerGroup, stacked_name
 from .devices import device_of, transfer
 
-BODIES: dict[str, "LayerBody"] = {}  # body key -> body; the placeholders' eager kernels run these
-RUNS: dict[str, "RunBody"] = {}      # run key -> one iteration of a layer run (k3x.layer_loop runs it)
+# The layer code of the program being run: body key ("<group>.<form>") -> LayerBody, run key -> RunBody.
+# The placeholders are torch.library ops, reachable from anywhere; their eager kernels look their
+# code up here, and ``Program.forward`` sets it for the duration of its call.
+_CODE: ContextVar[dict[str, nn.Module]] = ContextVar("k3c_layer_code")
+
+
+@contextlib.contextmanager
+def running(code: dict[str, nn.Module]):
+    """The placeholders' eager kernels run ``code`` (body and run keys -> modules) inside this block."""
+    token = _CODE.set(code)
+    try:
+        yield
+    finally:
+        _CODE.reset(token)
+
+
+def _code(key: str) -> nn.Module:
+    code = _CODE.get(None)
+    if code is None or key not in code:
+        raise RuntimeError(f"layer placeholder {key!r} called outside a Program that holds it")
+    return code[key]
 
 
 @torch.library.custom_op("k3x::kda_layer", mutates_args=())
 def kda_layer(E: Tensor, at: Tensor, j: int, conv: Tensor, S: Tensor, body: str) -> tuple[Tensor, Tensor, Tensor]:
     """One KDA layer of a group: (E, at, j, conv [B, 3, HK, W-1], S [B, H, K, V]) -> (p, conv, S)."""
-    return tuple(t.clone() for t in BODIES[body](E, at, j, conv, S))
+    return tuple(t.clone() for t in _code(body)(E, at, j, conv, S))
 
 
 @kda_layer.register_fake
@@ -51,7 +73,7 @@ def _(E, at, j, conv, S, body):
 def mla_layer(E: Tensor, at: Tensor, j: int, cache: Tensor, body: str) -> tuple[Tensor, Tensor]:
     """One MLA layer continuing a sequence: cache [B, L, W] of the tokens before -> (p, the cache rows
     of the T new tokens [B, T, W]; the caller appends them)."""
-    return tuple(t.clone() for t in BODIES[body](E, at, j, cache))
+    return tuple(t.clone() for t in _code(body)(E, at, j, cache))
 
 
 @mla_layer.register_fake
@@ -65,7 +87,7 @@ def mla_layer_start(E: Tensor, at: Tensor, j: int, width: int, body: str) -> Ten
     """One MLA layer starting a sequence (no cache before) -> [p | cache], [B, T, D + width]: one
     result, because IREE 3.13's interprocedural pass loses the size of a second result of the
     same dynamic length ("operand is unlinked")."""
-    return BODIES[body](E, at, j)[0].clone()
+    return _code(body)(E, at, j)[0].clone()
 
 
 @mla_layer_start.register_fake
@@ -78,7 +100,7 @@ def layer_loop(carry: list[Tensor], given: list[Tensor], count: int, run: str) -
     """``count`` iterations k = 0, 1, ... of the run body ``run`` (``RunBody``), each taking
     (k, *carry, *given) and returning the next carry. passes/layer_calls.py makes it an scf.for."""
     for k in range(count):
-        carry = RUNS[run](torch.tensor([k], device=carry[0].device), *carry, *given)
+        carry = _code(run)(torch.tensor([k], device=carry[0].device), *carry, *given)
     return [t.clone() for t in carry]
 
 
@@ -202,8 +224,7 @@ def _index(t: Tensor, size: int):
 def _put(stack: Tensor, value: Tensor, i) -> Tensor:
     """``stack`` with ``stack[i] = value`` (i a run-time index). As a one-row slice_scatter, which
     torch-mlir lowers to tensor.insert_slice and IREE to an in-place update of that row: the same
-    select_scatter becomes a select over the whole stack, per layer (k3-small decode at context 128:
-    9 passes over the 4.7 MB KDA state stack; 1.06-1.15x faster without them)."""
+    select_scatter becomes a select over the whole stack, a pass over every layer's state per layer."""
     return stack.slice_scatter(value.unsqueeze(0), 0, i, i + 1)
 
 

@@ -26,12 +26,12 @@ from iree.compiler.tools.import_onnx.importer_externalization_overrides import E
 
 from ..errors import K3Error
 from ..utils.files import inside, sha256_file
+from .entry_points import REQUIRED
 from .onnx_export import MANIFEST
 from .onnx_ops import DOMAIN, DOMAIN_VERSION, ONNX_TO_K3, OPSET
 from .operators import custom_ops
 from .parameters import declare_parameter, load_parameter
 
-ENTRY_POINTS = ("prefill", "decode")
 
 
 @dataclass
@@ -164,7 +164,7 @@ def import_onnx(directory: Path, log=print) -> ImportedModule:
     manifest = read_manifest(directory)
     t0 = time.perf_counter()
     models = {}
-    for name in ENTRY_POINTS:
+    for name in REQUIRED:
         model = load_checked(directory / f"{name}.onnx")
         if model.graph.name != name:
             raise K3Error(f"onnx: {name}.onnx in {directory} holds graph {model.graph.name!r}, expected {name!r}")

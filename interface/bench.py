@@ -443,7 +443,7 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     cfg = K3Config.preset(sizes.preset)
-    result = {"machine": machine(), "target": tgt.name, "target_cpu_features": list(tgt.cpu_features),
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "target": tgt.name, "target_cpu_features": list(tgt.cpu_features),
               "lowerings": {op.name: op.lowering(tgt).doc for op in OPS},
               "sizes": dataclasses.asdict(sizes), "sections": {}}
     out = result["sections"]

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
+
+from ..errors import K3Error
 
 from ..utils.files import write_atomic
 
@@ -76,14 +79,20 @@ def targets(sections: dict) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
+    """One run: the machine (CPU, its features, the kernel of each op), the judged figures as a table,
+    then the absolute medians."""
     m = result["machine"]
-    features = f" (level {m.get('cpu_level')}; {' '.join(m['cpu_features'])})" if m.get("cpu_features") else ""
+    features = (f" (level {m.get('cpu_level')}; {' '.join(m['cpu_features'])})" if m.get("cpu_features")
+                else " (CPU features not recorded)")
     lines = [f"Machine: {m['cpu']}{features}, {m['cores']} cores, {m['memory_gib']} GiB, {m['threads']} thread(s) for PyTorch "
              f"and for IREE, load average {m['load_average_start']:.1f} at start, "
              f"{m.get('load_average_end', float('nan')):.1f} at end; "
              f"target {result['target']}, model {result['sizes']['preset']}; sections run: "
-             f"{', '.join(result['sections'])}.", "",
-             "| figure | measured | target | met |", "|---|---:|---|:---:|"]
+             f"{', '.join(result['sections'])}.", ""]
+    if result.get("lowerings"):
+        lines += ["Kernels (the lowering of each op on this target):", ""]
+        lines += [f"- `k3::{op}`: {doc}" for op, doc in result["lowerings"].items()] + [""]
+    lines += ["| figure | measured | target | met |", "|---|---:|---|:---:|"]
     lines += [f"| {t['figure']} | {t['measured']} | {t['target']} | {'yes' if t['met'] else '**no**'} |"
               for t in result["targets"]]
     lines += ["", "Absolute medians (not judged):", ""]
@@ -125,6 +134,43 @@ def markdown(result: dict) -> str:
             + "".join(f"; full K3 for {r['target']} {r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s CPU, "
                       f"{r['peak_MiB']:.0f} MiB peak" for r in s["compile"]["full_k3"]))
     return "\n".join(lines) + "\n"
+
+
+PAGE_HEAD = """# Benchmarks
+
+Written by `{command}` from the runs below (their JSON beside this page); not edited by hand.
+Every judged figure is a ratio of measurements interleaved in one run, one thread on each side
+unless the run says otherwise; absolute times hold only for the machine they were measured on.
+How each section measures: `k3c bench --help` and interface/bench.py.
+"""
+
+
+def read_runs(paths, relative_to: Path) -> list[tuple[str, dict]]:
+    """(name relative to the page, result) of each JSON run; one ``K3Error`` line for a file that is
+    not a run."""
+    import json
+    runs = []
+    for p in map(Path, paths):
+        try:
+            result = json.loads(p.read_text())
+            result["sections"], result["machine"]["cpu"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            raise K3Error(f"bench: {p} is not a run written by k3c bench --json ({type(e).__name__}: {e})") from None
+        runs.append((os.path.relpath(p, relative_to), result))
+    return runs
+
+
+def page(runs: list[tuple[str, dict]], command: str, where: Path) -> str:
+    """The benchmarks page at ``where``: for each (JSON name relative to it, result) its sections, date
+    and command, ``markdown``, and the run's plot where a PNG of the JSON's name lies beside it."""
+    parts = [PAGE_HEAD.format(command=command)]
+    for name, result in runs:
+        title = ", ".join(result["sections"])
+        plot_name = str(Path(name).with_suffix(".png"))
+        shown = f"\n![{title}]({plot_name})\n" if (where.parent / plot_name).is_file() else ""
+        parts.append(f"## {title}\n\n`{result.get('command', 'k3c bench')}` on {result.get('date', 'an unrecorded date')} "
+                     f"([{name}]({name})).\n\n{markdown(result)}{shown}")
+    return "\n".join(parts)
 
 
 def plot(result: dict, out: Path) -> None:

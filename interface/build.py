@@ -33,9 +33,10 @@ from ..model.stacking import to_checkpoint
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
 from ..compiler.targets import Target, compile_mlir
+from ..exporter.entry_points import ENTRY_POINTS
 from ..utils.files import atomic_dir, cache_dir, check_output, hash_dir, seal_entry, verified_entry
 from ..artifacts.pack import ParameterTable, checkpoint_table, first_table_difference, pack, read_archive, verify_archive
-from ..artifacts.bundle import (ARCHIVE, ENTRY_POINTS, FORMAT, MODULE, REFERENCE, Bundle, Manifest, check_archive_fits,
+from ..artifacts.bundle import (ARCHIVE, FORMAT, MODULE, REFERENCE, Bundle, Manifest, check_archive_fits,
                                 first_difference, module_facts, open_bundle, open_module, package_versions, seal)
 from ..exporter.export import export_model
 from ..passes.pipeline import Pipeline

@@ -5,8 +5,7 @@ prefill from an empty cache is L = T; a prompt's later pieces (``extend``) have 
 
 The lowering is a loop over static query blocks: for a dynamic T, IREE 3.13's llvm-cpu softmax over
 rows of dynamic length recomputes the row maximum inside its exp-sum loop, ~110 ns per score at
-T = 2048, and the whole [H, T, L] score matrix is materialised (../shared/notes/attention-cpu.md:
-0.14x eager at 2048 tokens).
+T = 2048, and the whole [H, T, L] score matrix is materialised.
 
     q [B, T, H, Dq], k, v [B, L, H, D]  --pad T and L by the same P rows (T + P = Tp = ceil(T / Bq) Bq),
                                           transpose once-->  [B H, Tp | L + P, D]

@@ -17,8 +17,8 @@ Three forms, by ``decode``:
   to ``xt[c, n, l] = x[128c + 8l + n]`` (templates/mxfp4_native_split.mlir).
 - ``f16`` and ``int``: one ``linalg.generic`` keeps 16 partial sums per row, one per byte position
   j of a block, and reduces over the blocks b; a second sums the 16. The vector lanes sit on j, a
-  parallel dim, so the loop over b needs no horizontal sum per step (../shared/notes/mxfp4-cpu.md:
-  lanes on the reduction ran at 0.1x a bf16 matvec). The activation is split once into its even
+  parallel dim, so the loop over b needs no horizontal sum per step (with the lanes on the
+  reduction, each step ends in one). The activation is split once into its even
   and odd elements, ``xe[b, j] = x[32b + 2j]`` and ``xo[b, j] = x[32b + 2j + 1]``, in its own small op.
 
 Decoding a nibble c in the linalg forms (no table: a gather does not vectorise there):

@@ -17,11 +17,11 @@ from iree.compiler import ir
 from iree.compiler.dialects import arith, flow, tensor
 
 from ..exporter.devices import device_of
+from ..exporter.entry_points import ENTRY_POINTS
 from ..exporter.operators import custom_ops
 from ..ops.base import TensorType
 from .rewrite import _constant
 
-ENTRY_POINTS = ("prefill", "extend", "decode")
 
 
 def promise(device: int) -> ir.Attribute:

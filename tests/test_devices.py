@@ -1,4 +1,4 @@
-"""One program over N devices (README "Past one device"): the routed experts split over the devices.
+"""One program over N devices (docs/devices.md §1): the routed experts split over the devices.
 
 The cheap checks run the ops eagerly and the target/refusal logic; the slow ones compile k3-tiny
 for 2 and 4 local CPU devices and validate it against the same PyTorch reference and tolerance as

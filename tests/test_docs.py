@@ -77,3 +77,44 @@ def test_links_between_docs_land_on_anchors():
             elif anchor and anchor not in ANCHOR.findall(target.read_text()):
                 bad.append(f"{source.name}: ({doc}#{anchor}) has no such anchor")
     assert bad == []
+
+
+# the words of a project's own history (its runs and work items), which the repository never uses
+HISTORY = re.compile(r"(first|second|third|[a-z]+th) session|issues? [0-9]+|bench-" + "issue", re.IGNORECASE)
+
+
+def repository_files() -> list[Path]:
+    """Every file of the repository but virtual environments, build outputs, caches and hidden folders."""
+    skip = {"__pycache__", "build", "venv", "out", "k3c.egg-info"}
+    return [p for p in sorted(ROOT.rglob("*")) if p.is_file()
+            and not any(part.startswith(".") or part in skip for part in p.relative_to(ROOT).parts[:-1])]
+
+
+def test_the_history_check_catches_its_words():
+    assert HISTORY.search("as measured in the nin" + "th session") and HISTORY.search("(iss" + "ue 15)")
+    assert not HISTORY.search("the session opens N devices; issues are welcome")
+
+
+def test_no_file_speaks_of_how_the_project_was_made():
+    found = [f"{p.relative_to(ROOT)}" for p in repository_files() if HISTORY.search(str(p.relative_to(ROOT)))]
+    for p in repository_files():
+        if p.suffix in (".py", ".md", ".mlir", ".c", ".sh", ".toml", ".json", ""):
+            found += [f"{p.relative_to(ROOT)}:{n}: {m.group(0)}" for n, line in
+                      enumerate(p.read_text(errors="replace").splitlines(), 1) for m in [HISTORY.search(line)] if m]
+    assert found == []
+
+
+def test_readme_is_an_index():
+    assert len((ROOT / "README.md").read_bytes()) < 8192
+
+
+def test_benchmarks_page_is_what_the_bench_writes_from_its_runs():
+    """docs/benchmarks.md equals the page `k3c bench --markdown` renders from the runs it names."""
+    import shlex
+
+    from k3c.interface.bench_report import page, read_runs
+    text = (DOCS / "benchmarks.md").read_text()
+    command = re.search(r"^Written by `([^`]+)`", text, re.MULTILINE).group(1)
+    args = shlex.split(command)
+    assert args[:4] == ["k3c", "bench", "--markdown", "docs/benchmarks.md"]
+    assert page(read_runs([ROOT / a for a in args[4:]], DOCS), command, DOCS / "benchmarks.md") == text

@@ -51,7 +51,7 @@ def test_k3_tiny_compiles_for_gpu(target, magic, tiny_bundle, k3c_cache, tmp_pat
 
 
 def test_targets_validate_markdown(tiny_bundle, k3c_cache, tmp_path, monkeypatch):
-    """`k3c targets --validate k3-tiny --markdown`, the README's table, on three targets: the modules
+    """`k3c targets --validate k3-tiny --markdown` on three targets: the modules
     come from the compile cache, the numbers from validating each against PyTorch."""
     from click.testing import CliRunner
 

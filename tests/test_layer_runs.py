@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from k3c.exporter.export import Program, register_bodies, stacked_state
+from k3c.exporter.export import Program, layer_bodies, stacked_state
 from k3c.model import K3Config, K3Model
 from k3c.model.config import every_fourth_and_last
 from k3c.model.init import init_weights
@@ -46,15 +46,15 @@ def test_program_equals_reference_eagerly(n):
     model = K3Model(cfg).double().eval()
     init_weights(model, seed=0)
     assert any(r.count > 1 for r in layer_runs(cfg))
-    register_bodies(model, weights=True)
+    bodies = layer_bodies(model, weights=True)
     tokens = torch.randint(0, cfg.vocab_size, (1, 9))
     with torch.no_grad():
         want_logits, want_state = model.prefill(tokens)
-        logits, hidden, *state = Program(model, "prefill")(tokens)
+        logits, hidden, *state = Program(model, "prefill", bodies=bodies)(tokens)
         torch.testing.assert_close(logits, want_logits, rtol=1e-10, atol=1e-10)
         for got, want in zip(state, stacked_state(want_state)):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
         token = tokens[:, -1:]
         want_logits, _ = model.decode(token, want_state)
-        logits, *_ = Program(model, "decode")(token, *state)
+        logits, *_ = Program(model, "decode", bodies=bodies)(token, *state)
         torch.testing.assert_close(logits, want_logits, rtol=1e-10, atol=1e-10)

@@ -16,12 +16,12 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from k3c.cli import main
+from k3c.exporter.entry_points import REQUIRED
 from k3c.exporter.onnx_ops import DOMAIN, reference_evaluator
 from k3c.model.checkpoint import load_checkpoint, open_checkpoint
 
 pytestmark = pytest.mark.slow  # every test reads the k3-tiny ONNX export; the round trip compiles it
 
-ENTRY_POINTS = ("prefill", "decode")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def model(export_dir):
 def test_checker_custom_ops_and_external_weights(export_dir):
     # the export's checkpoint is in K3Model's layout: routed experts stacked, one tensor per matrix
     tensors = {key for header in open_checkpoint(export_dir / "checkpoint").stored.values() for key in header}
-    for name in ENTRY_POINTS:
+    for name in REQUIRED:
         path = export_dir / f"{name}.onnx"
         onnx.checker.check_model(path, full_check=True)
         m = onnx.load(path, load_external_data=False)
@@ -67,7 +67,7 @@ def test_checker_custom_ops_and_external_weights(export_dir):
 def test_reference_evaluator_matches_pytorch(export_dir, model):
     """Prefill over 70 tokens (two KDA chunks), then two decode steps fed the present state."""
     tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (1, 70))
-    prefill, decode = (reference_evaluator(str(export_dir / f"{n}.onnx")) for n in ENTRY_POINTS)
+    prefill, decode = (reference_evaluator(str(export_dir / f"{n}.onnx")) for n in REQUIRED)
     logits, hidden, *state = prefill.run(None, {"tokens": tokens})
     with torch.no_grad():
         expected, torch_state = model.prefill(torch.from_numpy(tokens))

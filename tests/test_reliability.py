@@ -1,4 +1,4 @@
-"""Issue 14: nothing lost, nothing trusted unchecked. Output directories k3c did not write are never
+"""Nothing lost, nothing trusted unchecked. Output directories k3c did not write are never
 replaced; killed runs leave nothing behind that the next run does not tidy; bundles are verified down
 to the manifest itself (paths inside the bundle, facts the module was compiled for); bad input gives
 one ``error:`` line. CLI cases run the installed console script (what a user sees), except where a
