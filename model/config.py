@@ -9,18 +9,15 @@ import copy
 import dataclasses
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import K3Error
 from ..ops.numerics import ACTIVATIONS
-
-
-class ConfigError(K3Error, ValueError):
-    """An invalid or unreadable model configuration; the message names the field."""
+from .config_keys import (ALIASES, IGNORED, QUANT_GROUP_KEYS, QUANT_KEYS, QUANT_WEIGHT_KEYS, WRAPPER_KEYS, ConfigError,
+                          is_int, need_type, refuse, unknown_keys)
+from .kimi_linear_config import kimi_linear_fields
 
 
 MODEL_TYPES = ("kimi_k3", "kimi_linear")
@@ -38,12 +35,6 @@ MXFP4_QUANTIZATION = {
     "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
                "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
 }
-# transformers' and the Hub's other spellings of K3Config fields
-ALIASES = {
-    "num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
-    "n_shared_experts": "num_shared_experts", "norm_topk_prob": "moe_renormalize",
-    "n_group": "num_expert_group", "model_max_length": "max_position_embeddings",
-}
 # Keys k3c reads but does not keep: the values k3c computes; any other value is refused.
 FIXED = {
     "num_nextn_predict_layers": (0, None),   # multi-token-prediction layers: k3c runs none
@@ -54,85 +45,10 @@ FIXED = {
     "pretraining_tp": (1, None),
     "use_grouped_topk": None,                # checked with num_expert_group
 }
-# transformers' PretrainedConfig keys every saved config carries (generation defaults, export and
-# task switches, token ids of the tokenizer): none sets the text model's math.
-TRANSFORMERS_GENERIC = frozenset({
-    "_name_or_path", "add_cross_attention", "bad_words_ids", "begin_suppress_tokens", "chunk_size_feed_forward",
-    "cross_attention_hidden_size", "decoder_start_token_id", "diversity_penalty", "do_sample", "early_stopping",
-    "encoder_no_repeat_ngram_size", "exponential_decay_length_penalty", "finetuning_task", "forced_bos_token_id",
-    "forced_eos_token_id", "id2label", "is_decoder", "is_encoder_decoder", "label2id", "length_penalty",
-    "max_length", "min_length", "no_repeat_ngram_size", "num_beam_groups", "num_beams", "num_return_sequences",
-    "output_attentions", "output_hidden_states", "output_scores", "prefix", "problem_type", "pruned_heads",
-    "remove_invalid_values", "repetition_penalty", "return_dict", "return_dict_in_generate", "sep_token_id",
-    "suppress_tokens", "task_specific_params", "temperature", "tf_legacy_loss", "tie_encoder_decoder",
-    "tokenizer_class", "top_k", "top_p", "torchscript", "typical_p", "use_bfloat16", "_attn_implementation",
-    "_commit_hash", "transformers_version",
-})
-# the multimodal wrapper's own keys (the vision tower and its placeholders; k3c runs the text model)
-WRAPPER_OWN = frozenset({"ignore_index", "image_placeholder", "media_placeholder_token_id", "vision_config"})
-# Keys that cannot change the text model's math, accepted knowingly and ignored: token ids, dtypes,
-# provenance, generation and output switches of transformers' PretrainedConfig; rope_* (MLA uses
-# NoPE: docs/model.md §2 step 4); head_dim / qk_head_dim (derived from the MLA fields); dropout (inference).
-IGNORED = frozenset({
-    "architectures", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype",
-    "transformers_version", "use_cache", "_name_or_path", "id2label", "label2id", "problem_type",
-    "return_dict", "output_attentions", "output_hidden_states", "output_router_logits",
-    "chunk_size_feed_forward", "is_encoder_decoder", "rope_theta", "rope_scaling", "rope_parameters",
-    "head_dim", "qk_head_dim", "attention_dropout", "media_placeholder_token_id", "vision_config",
-    "text_config", "model_type",
-}) | TRANSFORMERS_GENERIC | WRAPPER_OWN
-# compressed-tensors keys k3c reads or knows to be inert, at each level of ``quantization_config``;
-# any other key there could change how the weights decode and is refused
-QUANT_KEYS = frozenset({"quant_method", "format", "config_groups", "ignore", "group_size", "global_compression_ratio",
-                        "kv_cache_scheme", "quantization_status", "sparsity_config", "transform_config", "version"})
-QUANT_GROUP_KEYS = frozenset({"targets", "weights", "format", "input_activations", "output_activations"})
-QUANT_WEIGHT_KEYS = frozenset({"num_bits", "type", "strategy", "group_size", "symmetric", "scale_dtype", "dynamic",
-                               "actorder", "block_structure", "observer", "observer_kwargs", "zp_dtype"})
 KDA_TYPES = {"num_heads": "int", "head_dim": "int", "short_conv_kernel_size": "int",
              "gate_lower_bound": "float | None", "use_full_rank_gate": "bool",
              "full_attn_layers": "list[int]", "kda_layers": "list[int]"}
 KDA_OPTIONAL = ("gate_lower_bound", "use_full_rank_gate", "kda_layers")
-WRAPPER_KEYS = IGNORED | {"quantization_config", "tie_word_embeddings"}   # K3 release top level (docs/model.md §8)
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)   # JSON's true/false are not numbers here
-
-
-KIND_CHECKS = {
-    "None": lambda v: v is None,
-    "int": _is_int,
-    "float": lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v),
-    "bool": lambda v: isinstance(v, bool),
-    "str": lambda v: isinstance(v, str),
-    "dict": lambda v: isinstance(v, dict),
-    "list[int]": lambda v: isinstance(v, list) and all(map(_is_int, v)),
-}
-TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-              "None": "null", "dict": "an object", "list[int]": "a list of integers"}
-
-
-def _kinds(annotation: str) -> list[str]:
-    """``"dict[str, Any] | None"`` -> ["dict", "None"]."""
-    return [k.strip().split("[str")[0] for k in annotation.split("|")]
-
-
-def need_type(name: str, value: Any, annotation: str) -> None:
-    """A JSON value must have the type a field's annotation names; the error names field and type."""
-    if not any(KIND_CHECKS[k](value) for k in _kinds(annotation)):
-        want = " or ".join(TYPE_WORDS[k] for k in _kinds(annotation))
-        raise ConfigError(f"config field '{name}': expected {want}, got {json.dumps(value, default=repr)}")
-
-
-def unknown_keys(raw: dict[str, Any], known: set[str] | frozenset[str], where: str = "") -> list[str]:
-    """The keys of ``raw`` outside ``known``, named by their path (``where`` is the parent's)."""
-    return [f"{where}{k}" for k in sorted(set(raw) - known)]
-
-
-def refuse(problems: list[str]) -> None:
-    """Every problem of a config in one ConfigError, each naming its field."""
-    if problems:
-        raise ConfigError("; ".join(problems))
-
-
 def every_fourth_and_last(num_layers: int) -> list[int]:
     """The published plan: full attention at 1-indexed layers 4, 8, ... and the last one."""
     plan = [i for i in range(4, num_layers + 1, 4)]
@@ -376,7 +292,7 @@ class K3Config:
             for key in unknown_keys(weights, QUANT_WEIGHT_KEYS, f"config_groups.{name}.weights."):
                 need(False, key, "not a key k3c knows (it could change how the weights decode)")
             size = weights.get("group_size", MXFP4_GROUP)
-            need(_is_int(size), f"config_groups.{name}.weights.group_size", f"expected an integer, got {size!r}")
+            need(is_int(size), f"config_groups.{name}.weights.group_size", f"expected an integer, got {size!r}")
             need(size == MXFP4_GROUP, f"config_groups.{name}.weights.group_size",
                  f"MXFP4 scales groups of {MXFP4_GROUP} elements, got {size}")
             need(weights.get("num_bits", 4) == 4 and weights.get("type", "float") == "float",
@@ -499,108 +415,9 @@ class K3Config:
 
     @classmethod
     def preset(cls, name: str) -> "K3Config":
+        from .presets import PRESETS  # the presets are K3Configs: that module imports this one
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
         return PRESETS[name]()
 
 
-def _small_plan(num_layers: int) -> dict[str, Any]:
-    full = every_fourth_and_last(num_layers)
-    return {"full_attn_layers": full,
-            "kda_layers": [i for i in range(1, num_layers + 1) if i not in full]}
-
-
-def _k3_tiny() -> K3Config:
-    """CI size: dense layer 0, MLA at layers 4 and 6 (1-indexed), 2 AttnRes blocks, 8 experts top-2."""
-    return K3Config(
-        hidden_size=64, num_hidden_layers=6, vocab_size=512, max_position_embeddings=4096,
-        linear_attn_config={"num_heads": 2, "head_dim": 32, "short_conv_kernel_size": 4,
-                            "gate_lower_bound": -5.0, "use_full_rank_gate": True, **_small_plan(6)},
-        num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16,
-        num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
-        routed_expert_hidden_size=32, intermediate_size=128, attn_res_block_size=3,
-    )
-
-
-def _k3_small() -> K3Config:
-    """Benchmark size (~0.3B): every layer kind, 2 AttnRes blocks, K3's head dims."""
-    return K3Config(
-        hidden_size=1024, num_hidden_layers=12, vocab_size=32768, max_position_embeddings=16384,
-        linear_attn_config={"num_heads": 8, "head_dim": 128, "short_conv_kernel_size": 4,
-                            "gate_lower_bound": -5.0, "use_full_rank_gate": True, **_small_plan(12)},
-        num_attention_heads=8, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128,
-        num_experts=32, num_experts_per_token=4, num_shared_experts=1, moe_intermediate_size=256,
-        routed_expert_hidden_size=512, intermediate_size=4096, attn_res_block_size=6,
-    )
-
-
-PRESETS = {"k3": K3Config, "k3-small": _k3_small, "k3-tiny": _k3_tiny}
-
-
-# ---- Kimi Linear's config.json (docs/model.md §7; its tensors: kimi_linear.py) ----------------------
-# top-level transformers fields -> linear_attn_config keys (the sub-dict wins, as in transformers)
-KDA_FIELDS = {"linear_num_heads": "num_heads", "linear_head_dim": "head_dim",
-              "linear_conv_kernel_dim": "short_conv_kernel_size"}
-# what transformers computes whatever the config says
-PINNED = {"hidden_act": "silu", "tie_word_embeddings": False, "mla_use_output_gate": False,
-          "routed_expert_hidden_size": None, "attn_res_block_size": None}
-PINNED_KDA = {"gate_lower_bound": None, "use_full_rank_gate": False}
-
-def _layer_plan(raw: dict[str, Any], lac: dict[str, Any], n: int) -> dict[str, list[int]]:
-    """``full_attn_layers`` and ``kda_layers`` (1-indexed). transformers' precedence: ``layer_types``
-    (0-indexed), then both ``linear_attn_config`` lists, then full attention at 0-indexed 4, 8, ..."""
-    types = raw.get("layer_types")
-    if types is None and "full_attn_layers" in lac and "kda_layers" in lac:
-        return {"full_attn_layers": lac["full_attn_layers"], "kda_layers": lac["kda_layers"]}
-    if types is None:
-        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
-    if len(types) != n or set(types) - {"full_attention", "linear_attention"}:
-        raise ConfigError(f"config field 'layer_types': need {n} entries of "
-                          f"'full_attention' / 'linear_attention', got {types!r}")
-    return {"full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
-            "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"]}
-
-
-def _first_dense(raw: dict[str, Any], n: int) -> int:
-    """K3's dense-then-MoE split from ``mlp_layer_types``, else ``first_k_dense_replace`` (default 1)."""
-    types = raw.get("mlp_layer_types")
-    if types is None:
-        freq = raw.get("moe_layer_freq", 1)
-        if freq not in (None, 1):
-            raise ConfigError(f"config field 'moe_layer_freq': only 1 is supported, got {freq!r}")
-        return raw.get("first_k_dense_replace", 1)
-    k = next((i for i, t in enumerate(types) if t != "dense"), len(types))
-    if len(types) != n or any(t != "sparse" for t in types[k:]):
-        raise ConfigError(f"config field 'mlp_layer_types': need {n} entries, 'dense' layers first "
-                          f"then 'sparse', got {types!r}")
-    return k
-
-
-def kimi_linear_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """A Kimi Linear ``config.json`` -> the same dict in K3Config's terms (docs/model.md §7). A field k3c
-    pins to what transformers computes must not say otherwise (PINNED: refused, never ignored)."""
-    out = dict(raw)
-    for alias, name in ALIASES.items():
-        if alias in out:
-            out.setdefault(name, out.pop(alias))
-    n = out.get("num_hidden_layers")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ConfigError(f"config field 'num_hidden_layers': must be a positive integer, got {n!r}")
-    lac = raw.get("linear_attn_config") or {}
-    if not isinstance(lac, dict):
-        raise ConfigError(f"config field 'linear_attn_config': expected an object, got {json.dumps(lac)}")
-    lac = {**{k: raw[f] for f, k in KDA_FIELDS.items() if f in raw}, **lac}
-    for name, pinned in (*PINNED.items(), *((f"linear_attn_config.{k}", v) for k, v in PINNED_KDA.items())):
-        where = lac if name.startswith("linear_attn_config.") else raw
-        key = name.removeprefix("linear_attn_config.")
-        if where.get(key, pinned) != pinned:
-            raise ConfigError(f"config field '{name}': Kimi Linear has {json.dumps(pinned)}, "
-                              f"got {json.dumps(where[key])}")
-    lac.update(PINNED_KDA, **_layer_plan(raw, lac, n))
-    out.update(PINNED, linear_attn_config=lac, first_k_dense_replace=_first_dense(raw, n))
-    out.setdefault("quantization_config", None)
-    for key in ("layer_types", "mlp_layer_types", *KDA_FIELDS):
-        out.pop(key, None)
-    return out

@@ -43,7 +43,7 @@ def test_released_config_is_read_with_the_published_figures(config, total, activ
 def test_every_generic_transformers_key_is_known():
     """What transformers' PretrainedConfig writes into every config.json (the oracle for the list)."""
     transformers = pytest.importorskip("transformers")
-    from k3c.model.config import IGNORED
+    from k3c.model.config_keys import IGNORED
 
     assert set(transformers.PretrainedConfig().to_dict()) - IGNORED == set()
 
