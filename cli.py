@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -53,6 +54,31 @@ FORCE = click.option("--force", is_flag=True,
                           "write is never replaced).")
 
 
+def gigabytes(ctx, param, value: float | None) -> float | None:
+    """A memory size in GB: finite, above 0 and at most 10**6 (a petabyte), so that its bytes are
+    an exact int (nan and inf pass click's FloatRange)."""
+    if value is not None and not (math.isfinite(value) and 0 < value <= 1e6):
+        raise K3Error(f"{param.opts[0]} {value}: give a size in GB above 0 and at most 1e6")
+    return value
+
+
+def utf8_text(ctx, param, value):
+    """Text from the command line (click decodes argv with surrogate escapes): K3Error unless it
+    is valid UTF-8, so that no tokenizer sees a lone surrogate."""
+    for text in value if isinstance(value, tuple) else (value,):
+        if text is not None and not _is_utf8(text):
+            raise K3Error(f"{param.opts[0]}: not valid UTF-8 text")
+    return value
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def load_config(preset: str | None, config: str | None):
     from .model.config import K3Config
     if config:
@@ -72,7 +98,7 @@ def load_config(preset: str | None, config: str | None):
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @click.option("--devices", default=None, type=click.IntRange(min=1),
               help="Also the bytes per device with the routed experts split over N devices.")
-@click.option("--device-memory", default=None, type=click.FloatRange(min=0, min_open=True), metavar="GB",
+@click.option("--device-memory", default=None, type=float, callback=gigabytes, metavar="GB",
               help="With --devices: memory per device in GB (say whether the split fits).")
 def inspect(preset, config_dir, context, as_json, devices, device_memory):
     """Parameters, bytes, state and cache sizes, FLOPs per token, from shapes on the meta device;
@@ -408,7 +434,7 @@ def generation_options(default_tokens: int):
             click.option("--top-p", default=1.0, show_default=True, type=float,
                          help="Sample among the most likely tokens whose mass reaches p (1: all)."),
             click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampler."),
-            click.option("--stop", multiple=True, help="Stop when the text contains STRING (repeatable)."),
+            click.option("--stop", multiple=True, callback=utf8_text, help="Stop when the text contains STRING (repeatable)."),
         ]):
             f = option(f)
         return f
@@ -434,17 +460,19 @@ def _report(gen, session) -> None:
     """The throughput line on stderr, after a note when the context ran full."""
     if gen.finish_reason == "context":
         click.echo(f"stopped at the context limit: {session.max_context} tokens (prompt and generated)", err=True)
+    decode = f": {gen.decode_tok_s:.1f} tok/s" if gen.decode_s else ""
     click.echo(f"prefill {gen.n_prompt} tokens: {gen.prefill_s * 1e3:.1f} ms ({gen.prefill_tok_s:.1f} tok/s); "
-               f"decode {len(gen.decode_s)} tokens: {gen.decode_tok_s:.1f} tok/s", err=True)
+               f"decode {len(gen.decode_s)} tokens{decode}", err=True)
 
 
 @main.command()
 @click.argument("bundle", type=click.Path(file_okay=False))
-@click.option("--prompt", default=None, help="Prompt text, encoded with the bundle's tokenizer.")
+@click.option("--prompt", default=None, callback=utf8_text, help="Prompt text, encoded with the bundle's tokenizer.")
 @click.option("--prompt-ids", callback=parse_ids, default=None,
-              help="Comma-separated token ids, e.g. 1,2,3 (prints ids instead of text).")
+              help="Comma-separated token ids, e.g. 1,2,3 (prints ids instead of text; EOS does not stop "
+                   "it: it runs to --max-new-tokens).")
 @click.option("--chat", is_flag=True, help="Render --prompt as a user turn with the checkpoint's chat template.")
-@click.option("--system", default=None, help="System message for --chat.")
+@click.option("--system", default=None, callback=utf8_text, help="System message for --chat.")
 @generation_options(16)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, ids, timings, finish reason.")
 def run(bundle, prompt, prompt_ids, chat, system, max_new_tokens, temperature, top_k, top_p, seed, stop, as_json):
@@ -466,7 +494,7 @@ def run(bundle, prompt, prompt_ids, chat, system, max_new_tokens, temperature, t
             click.echo(",".join(map(str, gen.ids)))
     else:
         tokenizer = bundle_tokenizer(session.bundle)
-        prompt_ids = encode_prompt(tokenizer, prompt, chat or bool(system), system)
+        prompt_ids = encode_prompt(tokenizer, prompt, chat or bool(system), system, session.max_context)
         text, gen = generate_text(session, tokenizer, prompt_ids, max_new_tokens=max_new_tokens, sampler=sampler,
                                   stops=stop, write=(lambda _: None) if as_json else _write)
         if not as_json:
@@ -481,20 +509,21 @@ def run(bundle, prompt, prompt_ids, chat, system, max_new_tokens, temperature, t
 
 @main.command()
 @click.argument("bundle", type=click.Path(file_okay=False))
-@click.option("--system", default=None, help="System message.")
+@click.option("--system", default=None, callback=utf8_text, help="System message.")
 @generation_options(256)
 def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, seed, stop):
     """Interactive chat: one user turn per line of stdin (an empty line or end of input ends it).
     The state stays on the device between turns and only the new turn is prefilled."""
-    from .runtimes.chat import Conversation
+    from .runtimes.chat import Conversation, read_turn
     from .runtimes.tokenizer import bundle_tokenizer
     session, sampler = _open_for_text(bundle, temperature, top_k, top_p, seed)
-    conversation = Conversation(session, bundle_tokenizer(session.bundle), system)
+    tokenizer = bundle_tokenizer(session.bundle)
+    conversation = Conversation(session, tokenizer, system)
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
             click.echo("> ", nl=False, err=True)
-        line = sys.stdin.readline()
+        line = read_turn(sys.stdin.buffer, tokenizer, session.max_context)
         if not line.strip():
             return
         _, gen = conversation.turn(line.rstrip("\n"), max_new_tokens=max_new_tokens, sampler=sampler, stops=stop,

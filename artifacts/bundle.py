@@ -90,7 +90,8 @@ class Manifest:
             if want is None:
                 raise K3Error(f"field {name!r} is not a manifest field")
             if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-                raise K3Error(f"field {name!r} is a JSON {_json_type(value)}, expected {_json_type(want())}")
+                expected = "integer" if want is int else _json_type(want())
+                raise K3Error(f"field {name!r} is a JSON {_json_type(value)}, expected {expected}")
         for key in ("name", "backend", "driver"):
             if not isinstance(raw["target"].get(key), str):
                 raise K3Error(f"field 'target' has no string {key!r}")
@@ -212,6 +213,8 @@ def _manifest_json(root: Path, what: str, otherwise: str):
         return json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise K3Error(f"{what}: {mpath} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise K3Error(f"{what}: {mpath} is nested too deeply to be a manifest") from None
 
 
 def _read_manifest(root: Path, raw) -> Manifest:

@@ -73,13 +73,14 @@ def _local(cpu: str) -> tuple[str, ...]:
 # extra iree-compile flags of a program over several devices: const-expr hoisting would evaluate
 # expressions of the pinned parameters at load time without their placement (IREE 3.13)
 MULTI_DEVICE_FLAGS = ("--iree-opt-const-expr-hoisting=false",)
+MAX_DEVICES = 1024   # devices one program may span: far above any host, checked before a flag is made
 
 
 def on_devices(target: Target, n: int) -> Target:
     """``target`` over ``n`` devices of its driver: one ``--iree-hal-target-device=<kind>[i]`` per
     device (``@__device_i`` in the program), README "Past one device"."""
-    if n < 1:
-        raise K3Error(f"target: --devices must be at least 1, got {n}")
+    if not 1 <= n <= MAX_DEVICES:
+        raise K3Error(f"target: --devices must be from 1 to {MAX_DEVICES}, got {n}")
     if n == 1:
         return target
     if target.driver == "vulkan":

@@ -6,10 +6,13 @@ tolerance and its top-1 token agrees.
 """
 from __future__ import annotations
 
+import math
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from numpy.lib import format as npy
 
 from ..artifacts.bundle import Bundle
 from ..errors import K3Error
@@ -68,6 +71,28 @@ REFERENCE_ARRAYS = {"prompt_ids": (1, "iu"), "prefill_logits": (2, "f"), "decode
                     "decode_logits": (2, "f")}
 
 
+REFERENCE_SLACK_ROWS = 64   # rows beyond max_prompt a reference's logits may have (its decode steps)
+
+
+def check_reference_members(path: Path, max_bytes: int) -> None:
+    """Before numpy allocates anything: every member of the archive unpacks to at most ``max_bytes``
+    (a zip bomb is refused by its declared size, which zipfile also holds the reading to), and the
+    shape its .npy header claims fits in the bytes it unpacks to."""
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            if info.file_size > max_bytes:
+                raise K3Error(f"validate: {path}: member {info.filename} unpacks to {info.file_size:,} bytes, "
+                              f"more than a reference of this bundle holds ({max_bytes:,})")
+            with z.open(info) as f:
+                read = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(npy.read_magic(f))
+                if read is None:
+                    raise ValueError(f"member {info.filename} is not a .npy array of format 1.0 or 2.0")
+                shape, _, dtype = read(f)
+            if math.prod(shape) * dtype.itemsize > info.file_size:
+                raise K3Error(f"validate: {path}: array {info.filename} claims shape {shape}, more than its "
+                              f"{info.file_size:,} bytes hold")
+
+
 def load_reference(bundle: Bundle) -> dict[str, np.ndarray]:
     """reference.npz's arrays, each present, numeric (never pickled objects) and of its rank; for a
     bundle built without them (the model did not fit in memory), computed now where it fits."""
@@ -79,13 +104,15 @@ def load_reference(bundle: Bundle) -> dict[str, np.ndarray]:
                           "validate it layer by layer (k3c validate --layers)")
         return ref
     path = bundle.reference_path
+    m = bundle.manifest
     try:
+        check_reference_members(path, 8 * (m.max_prompt + REFERENCE_SLACK_ROWS) * m.config["vocab_size"])
         with np.load(path, allow_pickle=False) as npz:
             missing = sorted(REFERENCE_ARRAYS.keys() - set(npz.files))
             if missing:
                 raise K3Error(f"validate: {path} has no array {missing[0]!r}")
             ref = {key: npz[key] for key in REFERENCE_ARRAYS}
-    except (ValueError, OSError, EOFError) as e:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
         raise K3Error(f"validate: {path} is not a reference of numeric arrays ({str(e).splitlines()[0]})") from None
     for key, (rank, kinds) in REFERENCE_ARRAYS.items():
         if ref[key].ndim != rank or ref[key].dtype.kind not in kinds:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import K3Error
+
 # (name, memory in GB as sold) of the accelerators the report sizes for
 ACCELERATORS = (("H200", 141), ("MI300X", 192), ("MI355X", 288))
 HEADROOM = 0.10   # of each device's memory kept for activations, workspaces and the runtime
@@ -60,7 +62,11 @@ def smallest_fit(figures: dict, num_experts: int, memory_bytes: int) -> int | No
 
 def placement_report(figures: dict, num_experts: int, devices: int, memory_gb: float | None) -> dict:
     """The --devices section of ``k3c inspect``: bytes per device, their sum (the one-device figure),
-    whether it fits ``memory_gb`` per device, and the fewest devices of each ACCELERATORS entry."""
+    whether it fits ``memory_gb`` per device, and the fewest devices of each ACCELERATORS entry.
+    More devices than routed experts is refused before any per-device row is made."""
+    if devices > max(num_experts, 1):
+        raise K3Error(f"inspect: --devices {devices}: the model has {num_experts} routed experts per MoE layer "
+                      f"to split; give at most that many devices")
     rows = split(figures, num_experts, devices)
     report = {"devices": devices, "headroom": HEADROOM, "context": figures["context"],
               "per_device": [{"device": r.device, "experts_per_layer": r.experts, "weights_bytes": r.weights,

@@ -35,8 +35,9 @@ class Generation:
         return self.n_prompt / self.prefill_s if self.prefill_s else float("nan")
 
     @property
-    def decode_tok_s(self) -> float:
-        return len(self.decode_s) / sum(self.decode_s) if self.decode_s else float("nan")
+    def decode_tok_s(self) -> float | None:
+        """None when there was no decode step (JSON has no NaN)."""
+        return len(self.decode_s) / sum(self.decode_s) if self.decode_s else None
 
 
 def iree_error_line(e: Exception, limit: int = 300) -> str:

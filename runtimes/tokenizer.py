@@ -56,6 +56,12 @@ class Tokenizer:
     eos_ids: frozenset[int]
     special_tokens: dict[str, str] = field(default_factory=dict)   # bos_token, eos_token, ... for templates
     chat_template: str | None = None
+    max_token_bytes: int = 1      # the most UTF-8 bytes one token stands for (its vocabulary's longest)
+
+    def text_limit(self, max_tokens: int) -> int:
+        """The most bytes of text that can encode to ``max_tokens`` tokens or fewer: a longer text
+        cannot fit, and is refused before the tokenizer spends memory on it."""
+        return max_tokens * self.max_token_bytes
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         raise NotImplementedError
@@ -86,6 +92,9 @@ class JsonTokenizer(Tokenizer):
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
+MAX_TEMPLATE_BYTES = 1 << 20   # a chat template (released ones are a few KB), checked before it is read
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
@@ -93,6 +102,8 @@ def _read_json(path: Path) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise K3Error(f"tokenizer: {path} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise K3Error(f"tokenizer: {path} is nested too deeply to be a tokenizer file") from None
     if not isinstance(data, dict):
         raise K3Error(f"tokenizer: {path} is not a JSON object")
     return data
@@ -104,19 +115,53 @@ def _token_text(value) -> str | None:
 
 
 def _chat_template(directory: Path, config: dict) -> str | None:
+    """``chat_template.jinja``, else the ``chat_template`` field of tokenizer_config.json: a string,
+    or named templates ``[{"name": "default", "template": ...}, ...]``; K3Error for anything else,
+    for a file that is not UTF-8 and for a template over MAX_TEMPLATE_BYTES."""
     jinja = directory / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        if jinja.stat().st_size > MAX_TEMPLATE_BYTES:
+            raise K3Error(f"tokenizer: {jinja} is larger than {MAX_TEMPLATE_BYTES:,} bytes (not a chat template)")
+        try:
+            return jinja.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise K3Error(f"tokenizer: {jinja} is not UTF-8 text (byte {e.start})") from None
     template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    where = "tokenizer: tokenizer_config.json: chat_template"
+    if isinstance(template, list):
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                   for t in template):
+            raise K3Error(f"{where} is a list whose items are not all {{\"name\": string, \"template\": string}}")
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    if template is not None and not isinstance(template, str):
+        raise K3Error(f"{where} is a JSON {type(template).__name__}, expected a string or a list of named templates")
+    if template is not None and len(template.encode()) > MAX_TEMPLATE_BYTES:
+        raise K3Error(f"{where} is larger than {MAX_TEMPLATE_BYTES:,} bytes (not a chat template)")
     return template
 
 
-def _ids(value) -> set[int]:
+def _ids(value, where: str) -> set[int]:
+    """``eos_token_id``: an integer id or a list of them (null: none); K3Error naming ``where``."""
     if value is None:
         return set()
-    return {int(v) for v in (value if isinstance(value, list) else [value])}
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
+        raise K3Error(f"tokenizer: {where}: eos_token_id must be an integer id or a list of them, got {value!r:.80}")
+    return set(ids)
+
+
+def _added_tokens(config: dict) -> dict[int, str]:
+    """``added_tokens_decoder`` of tokenizer_config.json: {"<id>": "<text>" or {"content": "<text>"}}."""
+    decoder = config.get("added_tokens_decoder", {})
+    where = "tokenizer: tokenizer_config.json: added_tokens_decoder"
+    if not isinstance(decoder, dict):
+        raise K3Error(f"{where} must be an object of token id -> token")
+    out = {}
+    for key, value in decoder.items():
+        if not (key.isascii() and key.isdecimal()) or not isinstance(text := _token_text(value), str):
+            raise K3Error(f"{where}: entry {key!r:.40} must map a decimal id to a string or {{\"content\": string}}")
+        out[int(key)] = text
+    return out
 
 
 def _read_ranks(path: Path) -> dict[bytes, int]:
@@ -139,7 +184,7 @@ def _tiktoken(path: Path, config: dict, vocab_size: int):
     ranks = _read_ranks(path)
     if sorted(ranks.values()) != list(range(len(ranks))) or len(ranks) > vocab_size:
         raise K3Error(f"tokenizer: the ranks in {path} are not 0..{len(ranks) - 1} within vocab_size {vocab_size}")
-    named = {int(i): _token_text(t) for i, t in config.get("added_tokens_decoder", {}).items()}
+    named = _added_tokens(config)
     specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(len(ranks), vocab_size)}
     try:
         return tiktoken.Encoding(name=path.name, pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
@@ -165,20 +210,23 @@ def load_tokenizer(directory: Path, vocab_size: int, model_config: Path | None =
     common = dict(files=files, eos_ids=frozenset(), special_tokens=specials,
                   chat_template=_chat_template(directory, config))
     if (directory / "tiktoken.model").is_file():
-        tok = TiktokenTokenizer(**common, encoding=_tiktoken(directory / "tiktoken.model", config, vocab_size))
+        encoding = _tiktoken(directory / "tiktoken.model", config, vocab_size)
+        longest = max(map(len, [*encoding.token_byte_values(), *(t.encode() for t in encoding.special_tokens_set)]))
+        tok = TiktokenTokenizer(**common, max_token_bytes=longest, encoding=encoding)
         token_id = lambda text: _single_token(tok.encoding, text)  # noqa: E731
     elif (directory / "tokenizer.json").is_file():
         try:
             hf = HFTokenizer.from_file(str(directory / "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception on a bad file
             raise K3Error(f"tokenizer: {directory / 'tokenizer.json'} does not load: {e}") from None
-        tok = JsonTokenizer(**common, tokenizer=hf)
+        longest = max(len(t.encode()) for t in hf.get_vocab(with_added_tokens=True))
+        tok = JsonTokenizer(**common, max_token_bytes=longest, tokenizer=hf)
         token_id = hf.token_to_id
     else:
         raise K3Error(f"tokenizer: no tiktoken.model or tokenizer.json in {directory}")
-    eos = _ids(_read_json(directory / "generation_config.json").get("eos_token_id"))
+    eos = _ids(_read_json(directory / "generation_config.json").get("eos_token_id"), "generation_config.json")
     if model_config is not None:
-        eos |= _ids(_read_json(model_config).get("eos_token_id"))
+        eos |= _ids(_read_json(model_config).get("eos_token_id"), model_config.name)
     if "eos_token" in specials and token_id(specials["eos_token"]) is not None:
         eos.add(token_id(specials["eos_token"]))
     tok.eos_ids = frozenset(i for i in eos if 0 <= i < vocab_size)

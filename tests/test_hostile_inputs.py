@@ -1,0 +1,202 @@
+"""Hostile or clumsy input that must end in one ``error:`` line (or work), never a traceback or
+unbounded work: sampling options, text that is not UTF-8, chat templates, tokenizer and generation
+files of the wrong types, deep JSON, reference archives that claim more than they hold, device counts.
+None of these compiles anything."""
+from __future__ import annotations
+
+import base64
+import json
+import warnings
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from k3c.artifacts.bundle import open_bundle
+from k3c.errors import K3Error
+from k3c.interface.validate import load_reference
+from k3c.runtimes import chat
+from k3c.runtimes.chat import read_turn, render_chat
+from k3c.runtimes.sampling import Sampler
+from k3c.runtimes.session import Generation
+from k3c.runtimes.tokenizer import MAX_TEMPLATE_BYTES, load_tokenizer, write_byte_level_tokenizer
+
+from test_cli_errors import assert_one_line_error, k3c_in_process
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+# ---- command-line values ----------------------------------------------------------------------
+@pytest.mark.parametrize("args, words", [
+    (["--temperature", "nan"], ["--temperature nan"]),
+    (["--temperature", "inf"], ["--temperature inf"]),
+    (["--seed", "-1"], ["--seed -1"]),
+    (["--prompt", "a\udcff"], ["--prompt", "UTF-8"]),
+    (["--system", "\udcff", "--chat"], ["--system", "UTF-8"]),
+    (["--stop", "\udcff"], ["--stop", "UTF-8"]),
+])
+def test_bad_generation_values_fail_before_the_bundle_is_read(args, words, tmp_path):
+    prompt = [] if "--prompt" in args else ["--prompt", "hi"]
+    assert_one_line_error(*k3c_in_process("run", tmp_path / "none", *prompt, *args), *words)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e308", "-1"])
+def test_device_memory_must_be_a_finite_size(value):
+    assert_one_line_error(*k3c_in_process("inspect", "--preset", "k3-tiny", "--devices", "2",
+                                          "--device-memory", value), "--device-memory")
+
+
+def test_devices_beyond_the_experts_are_refused_before_any_row_is_made():
+    assert_one_line_error(*k3c_in_process("inspect", "--preset", "k3", "--devices", str(10**30)),
+                          "--devices", "896 routed experts")
+
+
+def test_compile_devices_are_bounded_before_the_flags_are_made(tmp_path):
+    assert_one_line_error(*k3c_in_process("compile", "--devices", str(10**12), "-o", tmp_path / "b"),
+                          "--devices must be from 1 to")
+
+
+def test_a_tiny_temperature_is_greedy_without_warnings():
+    logits = np.array([1.0, 3.0, 2.0, -5.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Sampler(1e-320)(logits) == 1
+        np.testing.assert_array_equal(Sampler(1e-320, top_k=2, top_p=0.5).probabilities(logits), [0, 1, 0, 0])
+
+
+def test_no_decode_step_reports_no_rate(capsys):
+    from k3c.cli import _report
+    gen = Generation(ids=[5], n_prompt=2, prefill_s=0.5, finish_reason="length")
+    assert gen.decode_tok_s is None
+    _report(gen, SimpleNamespace(max_context=16))
+    assert capsys.readouterr().err.strip().endswith("decode 0 tokens")
+
+
+# ---- chat input and templates -------------------------------------------------------------------
+class _Tok:
+    def text_limit(self, max_tokens):
+        return 4 * max_tokens
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"ok\xff\n", ["not valid UTF-8"]),
+    (b"a" * 10_000 + b"\n", ["more than 64 bytes", "16 tokens"]),
+])
+def test_chat_lines_are_bounded_and_utf8(data, words):
+    import io
+    stream = io.BytesIO(data)
+    with pytest.raises(K3Error) as e:
+        read_turn(stream, _Tok(), 16)
+    assert all(w in str(e.value) for w in words)
+    assert stream.tell() <= 64 + 2   # read no further than the longest line that could fit
+
+
+def test_a_chat_line_that_fits_is_read():
+    import io
+    assert read_turn(io.BytesIO("héllo\nnext\n".encode()), _Tok(), 16) == "héllo\n"
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{{ 1/0 }}", ["ZeroDivisionError"]),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", ["RecursionError"]),
+    ("{{ messages + 1 }}", ["TypeError"]),
+    ("{{ 'a' * 10**12 }}", ["repeats a sequence"]),
+    ("{{ 2 ** (10 ** 9) }}", ["to the power"]),
+    ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", ["more than 1,000 characters"]),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", ["longer than"]),
+])
+def test_chat_templates_are_bounded_and_fail_in_one_error(template, words, monkeypatch):
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.5)
+    with pytest.raises(K3Error) as e:
+        render_chat(template, MESSAGES, {}, max_chars=1000)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert render_chat("{{ messages[0].content }}", MESSAGES, {}, max_chars=1000) == "hi"
+
+
+# ---- tokenizer and generation files ---------------------------------------------------------
+@pytest.fixture
+def tok_dir(tmp_path) -> Path:
+    write_byte_level_tokenizer(tmp_path / "tok", 512)
+    return tmp_path / "tok"
+
+
+def _edit_config(directory: Path, **fields) -> None:
+    path = directory / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+@pytest.mark.parametrize("template", [5, ["a"], {"a": 1}, [{"name": "default", "template": 3}]])
+def test_chat_template_of_the_wrong_type(tok_dir, template):
+    _edit_config(tok_dir, chat_template=template)
+    with pytest.raises(K3Error, match="chat_template"):
+        load_tokenizer(tok_dir, 512)
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"\xff{{ messages }}", ["not UTF-8"]),
+    (b"x" * (MAX_TEMPLATE_BYTES + 1), ["larger than"]),
+])
+def test_chat_template_file_unreadable_or_huge(tok_dir, content, words):
+    (tok_dir / "chat_template.jinja").write_bytes(content)
+    with pytest.raises(K3Error) as e:
+        load_tokenizer(tok_dir, 512)
+    assert all(w in str(e.value) for w in words)
+
+
+def test_deeply_nested_tokenizer_config(tok_dir):
+    (tok_dir / "tokenizer_config.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(K3Error, match="nested too deeply"):
+        load_tokenizer(tok_dir, 512)
+
+
+@pytest.mark.parametrize("value", ['"abc"', "[null]", "1e400", "true", "[1, 2.5]"])
+def test_eos_token_id_of_the_wrong_type(tok_dir, value):
+    (tok_dir / "generation_config.json").write_text('{"eos_token_id": %s}' % value)
+    with pytest.raises(K3Error, match="generation_config.json: eos_token_id"):
+        load_tokenizer(tok_dir, 512)
+
+
+@pytest.mark.parametrize("decoder", [{"x": "<a>"}, {"300": 5}, {"300": {"content": None}}, ["<a>"]])
+def test_added_tokens_decoder_of_the_wrong_type(tmp_path, decoder):
+    (tmp_path / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n"
+                                                     for b in range(256)))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": decoder}))
+    with pytest.raises(K3Error, match="added_tokens_decoder"):
+        load_tokenizer(tmp_path, 320)
+
+
+# ---- manifest and reference -----------------------------------------------------------------
+def test_deeply_nested_manifest(tmp_path):
+    (tmp_path / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(K3Error, match="nested too deeply"):
+        open_bundle(tmp_path)
+
+
+def test_integer_field_given_as_a_float(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 3.0}))
+    with pytest.raises(K3Error, match="expected integer|missing"):
+        open_bundle(tmp_path)
+
+
+def _reference_bundle(path: Path):
+    manifest = SimpleNamespace(no_reference="", max_prompt=16, config={"vocab_size": 512})
+    return SimpleNamespace(manifest=manifest, reference_path=path)
+
+
+def test_reference_member_claiming_a_huge_shape(tmp_path):
+    header = np.lib.format.header_data_from_array_1_0(np.zeros(1, np.float32))
+    header["shape"] = (10**6, 10**6)
+    with zipfile.ZipFile(tmp_path / "reference.npz", "w") as z, z.open("prefill_logits.npy", "w") as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        f.write(b"\0" * 64)
+    with pytest.raises(K3Error, match=r"claims shape \(1000000, 1000000\)"):
+        load_reference(_reference_bundle(tmp_path / "reference.npz"))
+
+
+def test_zip_bombed_reference(tmp_path):
+    np.savez_compressed(tmp_path / "reference.npz", prefill_logits=np.zeros((4096, 512), np.float32))
+    assert (tmp_path / "reference.npz").stat().st_size < 100_000
+    with pytest.raises(K3Error, match="unpacks to 8,388,"):
+        load_reference(_reference_bundle(tmp_path / "reference.npz"))
