@@ -271,6 +271,14 @@ def open_checkpoint(directory: str | Path, cfg: K3Config | None = None) -> Check
         _SKIP_LOGGED.add(directory)
         print(f"{directory}: skipped {skipped} vision_tower / mm_projector tensors (not the text model)",
               file=sys.stderr)
+    return Checkpoint(directory, listing, stored, stored_entries(stored, shard_of, listing, cfg))
+
+
+def stored_entries(stored: dict[Path, dict[str, tuple[str, tuple[int, ...]]]], shard_of: dict[str, Path],
+                   listing: Path, cfg: K3Config | None) -> dict[str, Entry]:
+    """K3Model name -> Entry for the text tensors of each file's header (``stored``), checked
+    against the index (``shard_of``, empty for a single file) and, given ``cfg``, against its
+    quantization_config; Kimi Linear's tensors are translated to K3's (kimi_linear.k3_parts)."""
     for key, path in shard_of.items():
         if key not in stored[path] and not key.startswith(NOT_TEXT):
             raise K3Error(f"{path}: tensor '{key}' listed in {listing.name} is not in the file")
@@ -295,7 +303,7 @@ def open_checkpoint(directory: str | Path, cfg: K3Config | None = None) -> Check
                     raise K3Error(f"{path}: tensor '{key}' holds '{k}', which '{entries[k].key}' "
                                   f"({entries[k].file.name}) holds too")
                 entries[k] = entry
-    return Checkpoint(directory, listing, stored, entries)
+    return entries
 
 
 def check_entries(ckpt: Checkpoint, expected: dict[str, torch.Tensor]) -> None:

@@ -73,3 +73,34 @@ def test_unknown_keys_in_math_groups_are_refused_with_every_problem_in_one_line(
     for field in ("'linear_attn_config.gate_kind'", "'quantization_config.config_groups.group_0.weights.codebook'",
                   "'quantization_config.config_groups.group_0.input_activations'", "'mla_use_nope'"):
         assert field in lines[0], lines[0]
+
+
+@pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")
+def test_transformers_view_of_kimi_linear_is_read_with_the_same_figures(tmp_path):
+    """What transformers' KimiLinearConfig writes for the release (layer_types, mlp_layer_types,
+    linear_* widths, rope_parameters, ... beside or instead of the file's own spelling)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.KimiLinearConfig.from_pretrained(KIMI_LINEAR).save_pretrained(tmp_path)
+    r, figures = inspect(tmp_path)
+    assert r.exit_code == 0 and figures["params_total"] == 49_122_681_728, r.output
+    assert r.stderr == ""
+
+
+def test_transformers_view_of_kimi_k3_is_read_with_the_same_figures(tmp_path):
+    """transformers' KimiK3Config view of the release (SOURCES.md beside the file): a top-level copy
+    of quantization_config, text_config.head_dim 74, rope_parameters and rope_theta, and no
+    generation defaults."""
+    generation = ("do_sample", "num_beams", "temperature", "top_k", "top_p", "repetition_penalty", "max_length",
+                  "min_length", "length_penalty", "no_repeat_ngram_size", "num_return_sequences", "early_stopping")
+
+    def view(raw):
+        text = raw["text_config"]
+        raw["quantization_config"] = json.loads(json.dumps(text["quantization_config"]))
+        text.update(head_dim=74, rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        for key in generation:
+            text.pop(key, None)
+
+    r, figures = inspect(edited(tmp_path, K3, view))
+    assert r.exit_code == 0, r.output
+    assert (figures["params_total"], figures["params_active_per_token"]) == (2_779_484_478_208, 104_189_614_848)
+    assert r.stderr == ""
