@@ -147,10 +147,6 @@ def parse_size(ctx, param, value: str | None) -> int | None:
     return int(float(m[1]) * SIZE_UNITS[m[2].upper()])
 
 
-def physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 @main.command("init-checkpoint")
 @click.option("--preset", required=True, help="k3, k3-small or k3-tiny.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
@@ -159,26 +155,8 @@ def physical_memory() -> int:
 @FORCE
 def init_checkpoint(preset, seed, shard_size, out_dir, force):
     """Write a checkpoint of seeded random weights for a preset (same seed, same bytes)."""
-    import torch
-    from .model.convert import save_checkpoint
-    from .model.init import init_weights
-    from .model.model import K3Model
-    from .utils.files import MARKER, check_output
-    cfg = load_config(preset, None)
-    check_output(out_dir, force=force)
-    with torch.device("meta"):
-        need = sum(t.numel() * t.element_size() for t in K3Model(cfg).state_dict().values())
-    if need > physical_memory():
-        raise K3Error(f"init-checkpoint: preset {preset} needs {need / 1e9:.0f} GB in memory, "
-                      f"this machine has {physical_memory() / 1e9:.0f} GB")
-    start = time.perf_counter()
-    model = init_weights(K3Model(cfg), seed)
-    click.echo(f"initialised {preset} with seed {seed} in {time.perf_counter() - start:.1f} s", err=True)
-    start = time.perf_counter()
-    save_checkpoint(model, out_dir, shard_size)
-    files = [f for f in sorted(Path(out_dir).iterdir()) if f.name != MARKER]
-    click.echo(f"wrote {out_dir}: {len(files)} files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB "
-               f"in {time.perf_counter() - start:.1f} s", err=True)
+    from .interface.checkpoints import init_checkpoint as write
+    write(preset, seed, out_dir, shard_size, force=force, log=lambda line: click.echo(line, err=True))
 
 
 @main.command()
@@ -189,25 +167,11 @@ def init_checkpoint(preset, seed, shard_size, out_dir, force):
 def quantize(in_dir, out_dir, show, force):
     """Convert a checkpoint's float routed experts to MXFP4; other tensors are kept byte for byte."""
     from rich.console import Console
-    from rich.table import Table
-    from .model.convert import quantize_checkpoint
-    from .utils.files import check_output
-    check_output(out_dir, force=force, inputs=(in_dir,))
-    start = time.perf_counter()
-    report = quantize_checkpoint(in_dir, out_dir)
-    click.echo(f"quantised {len(report)} tensors into {out_dir} in {time.perf_counter() - start:.1f} s", err=True)
-    if not report:
-        return
-    table = Table(title="MXFP4 relative RMS error ||W_q - W|| / ||W||")
-    table.add_column("tensor")
-    table.add_column("shape")
-    table.add_column("rel. RMS error", justify="right")
-    for q in sorted(report, key=lambda q: (-q.rel_rms_error, q.name))[:show]:
-        table.add_row(q.name, "x".join(map(str, q.shape)), f"{q.rel_rms_error:.4f}")
-    errors = [q.rel_rms_error for q in report]
-    table.caption = (f"{len(report)} tensors (largest {min(show, len(report))} shown): "
-                     f"mean {sum(errors) / len(errors):.4f}, max {max(errors):.4f}")
-    Console().print(table)
+    from .interface.checkpoints import quantize as convert
+    from .interface.tables import quantization_table
+    report = convert(in_dir, out_dir, force=force, log=lambda line: click.echo(line, err=True))
+    if report:
+        Console().print(quantization_table(report, show))
 
 
 def log(message: str) -> None:
@@ -549,9 +513,9 @@ def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_l
     per step max abs/rel error, cosine, top-1/top-5 agreement; with --layers, per layer max abs/rel
     error; exit 1 on FAIL."""
     from rich.console import Console
-    from rich.table import Table
     from .artifacts.bundle import open_bundle
     from .utils.files import write_atomic
+    from .interface.tables import residual_table, steps_table
     from .interface.validate import TOLERANCE, as_dicts, first_divergent, first_non_finite, validate as run_validation
     if by_layer:
         if per_layer:
@@ -561,22 +525,11 @@ def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_l
         b = open_bundle(bundle) if bundle else _build(preset, checkpoint, seed, max_prompt, target, output, force=force)
         tol = TOLERANCE[b.manifest.target["backend"]]
         steps, layers = run_validation(b, per_layer)
-    table = Table(title=f"{b.root.name}: {b.manifest.target['name']} vs PyTorch (tolerance {tol:g} max abs)")
-    for col in ("step", "max abs", "max rel", "cosine", "top-1", "top-5", "result"):
-        table.add_column(col, justify="left" if col == "step" else "right")
-    for s in steps:
-        table.add_row(s.step, f"{s.max_abs:.2e}", f"{s.max_rel:.2e}", f"{s.cosine:.8f}", f"{s.top1:.3f}",
-                      f"{s.top5:.3f}", "PASS" if s.passed else "[red]FAIL[/red]")
-    Console().print(table)
+    Console().print(steps_table(b, steps, tol))
     if non_finite := first_non_finite(steps):
         click.echo(non_finite)
     if per_layer:
-        lt = Table(title="residual stream after each layer (prefill)")
-        for col in ("layer", "kind", "max abs", "max rel"):
-            lt.add_column(col, justify="right")
-        for lr in layers:
-            lt.add_row(str(lr.layer), lr.kind, f"{lr.max_abs:.2e}", f"{lr.max_rel:.2e}")
-        Console().print(lt)
+        Console().print(residual_table(layers))
         bad = first_divergent(layers, tol)
         click.echo(f"first divergent layer: {bad.layer} ({bad.kind})" if bad else "no layer diverges")
     if json_out:
@@ -591,9 +544,9 @@ def validate(bundle, preset, checkpoint, seed, max_prompt, target, output, per_l
 def _validate_layers(bundle, preset, checkpoint, seed, max_prompt, target, output, json_out, force):
     """``k3c validate --layers`` (interface/validate_layers.py): a table of every layer, exit 1 on FAIL."""
     from rich.console import Console
-    from rich.table import Table
     from .artifacts.bundle import open_bundle
     from .utils.files import write_atomic
+    from .interface.tables import layer_checks_table
     from .interface.validate import TOLERANCE, as_dicts
     from .interface.validate_layers import validate_layers
     with spinner("validate --layers: current layer"):
@@ -603,14 +556,7 @@ def _validate_layers(bundle, preset, checkpoint, seed, max_prompt, target, outpu
             b, against = _build(preset, checkpoint, seed, max_prompt, target, output, force=force), None
         checks, peak = validate_layers(b, Path(against) if against else None, log=log)
     tol = TOLERANCE[b.manifest.target["backend"]]
-    table = Table(title=f"{b.root.name}: each layer on {b.manifest.target['name']} vs PyTorch on its own weights "
-                        f"(tolerance {tol:g} max abs)")
-    for col in ("layer", "kind", "max abs", "max rel", "result"):
-        table.add_column(col, justify="right")
-    for c in checks:
-        table.add_row(str(c.layer), c.kind, f"{c.max_abs:.2e}", f"{c.max_rel:.2e}",
-                      "PASS" if c.passed else "[red]FAIL[/red]" if c.finite else "[red]FAIL (non-finite)[/red]")
-    Console().print(table)
+    Console().print(layer_checks_table(b, checks, tol))
     click.echo(f"peak RSS {peak / 2**20:.0f} MiB")
     if json_out:
         write_atomic(Path(json_out), json.dumps({"bundle": str(b.root), "target": b.manifest.target["name"],
@@ -632,8 +578,8 @@ def targets(validate_preset, markdown, work):
     (driver and a matching device present), and the device found; with --validate, the validation
     result of each target that runs here."""
     from rich.console import Console
-    from rich.table import Table
     from .compiler.targets import target_statuses
+    from .interface.tables import markdown_table, target_cells, targets_table
     if validate_preset:
         from .model import K3Config
         from .interface.validate import validate_targets
@@ -642,22 +588,11 @@ def targets(validate_preset, markdown, work):
             rows = validate_targets(validate_preset, Path(work), log=log)
     else:
         rows = target_statuses()
-    columns = ["target", "driver", "compiles here", "runs here", "device found"]
-    if validate_preset:
-        columns += [f"{validate_preset} validated", "worst max abs", "tolerance"]
-    yes_no = {True: "yes", False: "no"}
-    cells = [[r.target.name, r.target.driver, yes_no[r.compiles], yes_no[r.runs], r.device] + (
-        [r.validated, "-" if r.max_abs is None else f"{r.max_abs:.1e}", f"{r.tolerance:g}"]
-        if validate_preset else []) for r in rows]
+    columns, cells = target_cells(rows, validate_preset)
     if markdown:
-        click.echo("\n".join("| " + " | ".join(line) + " |" for line in [columns, ["---"] * len(columns), *cells]))
+        click.echo(markdown_table(columns, cells))
         return
-    table = Table(title="k3c targets")
-    for c in columns:
-        table.add_column(c, no_wrap=c != "device found")
-    for line in cells:
-        table.add_row(*line)
-    Console().print(table)
+    Console().print(targets_table(columns, cells))
 
 
 @main.command()

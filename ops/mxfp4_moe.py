@@ -17,9 +17,9 @@ z [N, L] fp32, idx [N, k] int64, w [N, k] fp32; the experts stacked, w1, w3 [E, 
 Inside the FFN the MXFP4 matrices are dequantised by ``dequantize``: one elementwise op per matrix,
 which IREE compiles to one dispatch (mxfp4.dequantize's interleaving of the two nibbles becomes a
 strided copy; with it the gather form that came before was ~3x slower per weight). On llvm-cpu the
-decode form instead multiplies the packed weights as they are (``streamed``, mxfp4_gemv.py): a
+decode form instead multiplies the packed weights as they are (``decode_streamed``, mxfp4_gemv.py): a
 decode step reads each picked matrix once, 0.53 bytes per weight. On the CPU levels x86-64-v3
-and -v4 the prefill FFN is ``tiled_expert``: each matrix dequantised once per expert by integer
+and -v4 the prefill FFN is ``tiled_expert`` (``prefill_tiled``): each matrix dequantised once per expert by integer
 ops into the layout of a ``linalg.mmt4d`` on the level's tiles (templates/mxfp4_expert_tiled.mlir),
 which IREE runs faster than its default matmul of a dynamic row count.
 
@@ -30,6 +30,8 @@ skip those pairs, so a device does no expert work for a token routed elsewhere; 
 lowerings take every id in range (the router's picks).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -232,22 +234,7 @@ def by_expert(sym: str, ins: list[TensorType], expert, ranged: bool = False) -> 
     return [group, *experts, combine, wrapper]
 
 
-def dequantized(sym: str, ins: list[TensorType], consts: list, ranged: bool = False) -> list[str]:
-    """by_expert for a dynamic token count, by_slot for a static one; the FFN dequantises each
-    matrix, then multiplies (every target)."""
-    if ins[0].shape[0] is None:
-        check(ins, consts, "by_expert")
-        return by_expert(sym, ins, traced_expert(_ffn(*consts)), ranged)
-    check(ins, consts, "by_slot")
-    return by_slot(sym, ins, traced_slot(_ffn(*consts)), ranged)
-
-
-def on_one_range(generate):
-    """``generate`` for one device's share of the experts (module docstring)."""
-    return lambda sym, ins, consts: generate(sym, ins, consts, ranged=True)
-
-
-def _streamed_slot(decode: str, act: str, beta1: float, beta2: float):
+def _streamed_slot(nibbles: str, act: str, beta1: float, beta2: float):
     """The slot as mxfp4_gemv's matvecs on the packed weights, stacked and whole (the matvecs read
     expert e's rows in place), with the activation and the weighted add traced from PyTorch."""
     def slot(name: str, types: list[TensorType]) -> list[str]:
@@ -256,24 +243,57 @@ def _streamed_slot(decode: str, act: str, beta1: float, beta2: float):
         hid = TensorType((1, I), row.dtype)
         act_fn = trace_to_linalg(lambda g, u: glu_act(act, beta1, beta2, g, u), [hid, hid], name + "_act")
         axpy = trace_to_linalg(lambda a, ws, y: a + ws * y, [row, wt, row], name + "_axpy")
-        return [act_fn, axpy, *mxfp4_gemv.expert_slot(name, name + "_act", name + "_axpy", E, L, I, decode)]
+        return [act_fn, axpy, *mxfp4_gemv.expert_slot(name, name + "_act", name + "_axpy", E, L, I, nibbles)]
     return slot
 
 
-def streamed(decode: str, tile: int | None):
-    """For llvm-cpu: decode (by_slot) streams the packed weights through mxfp4_gemv (nibble
-    ``decode`` "int", "f16" or "native:<level>"); prefill (by_expert) multiplies dequantised copies,
-    its matmuls over many rows pay for them: as ``tiled_expert`` on ``tile`` where one is given,
-    else as ``dequantized``."""
-    def generate(sym: str, ins: list[TensorType], consts: list, ranged: bool = False) -> list[str]:
-        if ins[0].shape[0] is None and tile:
-            check(ins, consts, "by_expert")
-            return by_expert(sym, ins, tiled_expert(tile, *consts), ranged)
+# The four forms: a decode step (static N) or a prefill (dynamic N), each on dequantised matrices
+# (every target) or on the CPU's own layout of the packed weights.
+
+def decode_dequantized(sym: str, ins: list[TensorType], consts: list, ranged: bool = False) -> list[str]:
+    """by_slot; each picked matrix dequantised, then multiplied."""
+    check(ins, consts, "by_slot")
+    return by_slot(sym, ins, traced_slot(_ffn(*consts)), ranged)
+
+
+def decode_streamed(sym: str, ins: list[TensorType], consts: list, nibbles: str, ranged: bool = False) -> list[str]:
+    """by_slot on the packed weights through mxfp4_gemv (nibble decode "int", "f16" or
+    "native:<level>"): a step reads each picked matrix once, 0.53 bytes per weight (llvm-cpu)."""
+    check(ins, consts, "streamed by_slot")
+    return by_slot(sym, ins, _streamed_slot(nibbles, *consts), ranged, stacked=True)
+
+
+def prefill_dequantized(sym: str, ins: list[TensorType], consts: list, ranged: bool = False) -> list[str]:
+    """by_expert; each expert's matrices dequantised once, then multiplied over its rows."""
+    check(ins, consts, "by_expert")
+    return by_expert(sym, ins, traced_expert(_ffn(*consts)), ranged)
+
+
+def prefill_tiled(sym: str, ins: list[TensorType], consts: list, tile: int, ranged: bool = False) -> list[str]:
+    """by_expert with ``tiled_expert``: three mmt4d on the CPU level's tile x tile x 1 tiles."""
+    check(ins, consts, "by_expert")
+    return by_expert(sym, ins, tiled_expert(tile, *consts), ranged)
+
+
+@dataclass(frozen=True)
+class MoeLowering:
+    """The lowering of one target: each call takes one of the four forms above, by its token count
+    and the target's choices. ``nibbles``: decode streams the packed weights with this nibble decode
+    (None: dequantised); ``tile``: prefill on mmt4d tiles of this size (None: dequantised);
+    ``ranged``: one device's range of the experts (module docstring)."""
+    nibbles: str | None = None
+    tile: int | None = None
+    ranged: bool = False
+
+    def __call__(self, sym: str, ins: list[TensorType], consts: list) -> list[str]:
+        """The form of this call: prefill when the token count is dynamic, else decode."""
+        if ins[0].shape[0] is None and self.tile:
+            return prefill_tiled(sym, ins, consts, self.tile, self.ranged)
         if ins[0].shape[0] is None:
-            return dequantized(sym, ins, consts, ranged)
-        check(ins, consts, "streamed by_slot")
-        return by_slot(sym, ins, _streamed_slot(decode, *consts), ranged, stacked=True)
-    return generate
+            return prefill_dequantized(sym, ins, consts, self.ranged)
+        if self.nibbles:
+            return decode_streamed(sym, ins, consts, self.nibbles, self.ranged)
+        return decode_dequantized(sym, ins, consts, self.ranged)
 
 
 def _native(level: str) -> str:
@@ -281,18 +301,16 @@ def _native(level: str) -> str:
             f"16 lanes per row, where it does not build); prefill on {TILE[level]}x{TILE[level]} mmt4d tiles")
 
 
-MXFP4_MOE = CustomOp("mxfp4_moe", {
-    "default": Lowering(dequantized, "MXFP4 experts one at a time, sliced in place: loop over picked slots / over experts"),
-    "llvm-cpu": Lowering(streamed("int", None),
-                         "MXFP4 decode streams the packed weights, 16 lanes per row, i16 nibble decode (no F16C)"),
-    **{f"cpu:{level}": Lowering(streamed(f"native:{level}", TILE[level]), _native(level)) for level in TILE},
-}, sharded={
-    "default": Lowering(on_one_range(dequantized), "one device's range of the MXFP4 experts, sliced in place; "
-                                             "pairs of other devices' experts skipped"),
-    "llvm-cpu": Lowering(on_one_range(streamed("int", None)), "one device's range of the MXFP4 experts, decode "
-                                                             "streamed (i16 nibble decode); pairs of other devices' "
-                                                             "experts skipped"),
-    **{f"cpu:{level}": Lowering(on_one_range(streamed(f"native:{level}", TILE[level])),
-                                f"one device's range of the MXFP4 experts: {_native(level)}; pairs of other devices' "
-                                "experts skipped") for level in TILE},
-})
+# lowering key -> (decode's nibble decode, prefill's tile, what it is)
+FORMS = {
+    "default": (None, None, "MXFP4 experts one at a time, sliced in place: loop over picked slots / over experts"),
+    "llvm-cpu": ("int", None, "MXFP4 decode streams the packed weights, 16 lanes per row, i16 nibble decode (no F16C)"),
+    **{f"cpu:{level}": (f"native:{level}", TILE[level], _native(level)) for level in TILE},
+}
+
+MXFP4_MOE = CustomOp(
+    "mxfp4_moe",
+    {key: Lowering(MoeLowering(nibbles, tile), doc) for key, (nibbles, tile, doc) in FORMS.items()},
+    sharded={key: Lowering(MoeLowering(nibbles, tile, ranged=True),
+                           f"one device's range of the experts, pairs of other devices' experts skipped; {doc}")
+             for key, (nibbles, tile, doc) in FORMS.items()})
