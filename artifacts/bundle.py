@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
 
 from ..errors import K3Error
 from ..exporter.entry_points import ENTRY_POINTS, REQUIRED
-from ..utils.files import digest_of, files_under, hash_dir, inside, recover, sha256_file
+from ..utils.files import MARKER, digest_of, files_under, hash_dir, inside, recover, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = 3          # 2: entry points carry module_facts; 3: parameter table, weights, no_reference
@@ -227,11 +228,20 @@ def _read_manifest(root: Path, raw) -> Manifest:
 
 
 def _check_files(root: Path, manifest: Manifest, module_only: bool = False) -> None:
-    """Every listed file inside the bundle and matching its sha256; the module and (unless
-    ``no_reference`` says why not) the reference listed."""
+    """The bundle holds exactly its listed files (besides the manifest and k3c's marker), none of
+    them, nor any directory below the root, a symbolic link; every listed file matches its
+    sha256; the module and (unless ``no_reference`` says why not) the reference are listed. So
+    nothing unlisted (a tokenizer file dropped in, a template linked from elsewhere) is ever read."""
     for required in (MODULE,) if module_only or manifest.no_reference else (MODULE, REFERENCE):
         if required not in manifest.files:
             raise K3Error(f"bundle: the manifest of {root} does not list {required} (a bundle lists every file it holds)")
+    for rel, path in _entries(root):
+        if path.is_symlink():
+            raise K3Error(f"bundle: {rel} in {root} is a symbolic link (a bundle holds its own files; none is "
+                          "read through a link)")
+        if path.is_file() and rel not in manifest.files and rel not in (MANIFEST, MARKER):
+            raise K3Error(f"bundle: file {rel} in {root} is not listed in the manifest (a bundle holds exactly "
+                          "the files it lists)")
     for rel, digest in manifest.files.items():
         f = root / rel
         if Path(rel).is_absolute() or ".." in Path(rel).parts or not inside(f, root):
@@ -240,6 +250,14 @@ def _check_files(root: Path, manifest: Manifest, module_only: bool = False) -> N
             raise K3Error(f"bundle: file {rel} listed in the manifest is missing from {root}")
         if sha256_file(f) != digest:
             raise K3Error(f"bundle: file {rel} in {root} does not match its sha256 in the manifest (tampered or corrupt)")
+
+
+def _entries(root: Path):
+    """(relative posix name, path) of everything below ``root``, links not followed."""
+    for directory, dirs, files in os.walk(root):
+        for name in (*dirs, *files):
+            path = Path(directory, name)
+            yield path.relative_to(root).as_posix(), path
 
 
 def _check_checkpoint(bundle: Bundle) -> None:

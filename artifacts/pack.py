@@ -14,8 +14,10 @@ The archive describes itself: each parameter's IRPA metadata is JSON ``{"dtype",
 names, shapes, dtypes) and an archive against damage and against the checkpoint it came from.
 
 Streaming: each stacked tensor is assembled slice by slice (one checkpoint tensor at a time) into a
-scratch file beside the output, so memory stays at one slice whatever the model's size; IREE then
-writes the archive from that file, which is renamed into place when complete.
+scratch file beside the output (its space reserved first, so a full disk is an error, not a fault in
+a mapped write), so memory stays at one slice whatever the model's size; IREE then writes the
+archive from that file into a temporary file, linked into place when complete (never over a file
+that appeared meanwhile). Scratch and temporary names carry the process id.
 """
 from __future__ import annotations
 
@@ -106,20 +108,23 @@ def pack(checkpoint: Path, out: Path, *, checkpoint_hash: str | None = None, dev
 
     t0 = time.perf_counter()
     model, ckpt = open_checked(checkpoint)
+    out = Path(out)
+    if out.resolve().is_relative_to(ckpt.directory):
+        raise K3Error(f"pack: {out} lies inside the checkpoint {ckpt.directory}, which packing reads; write it elsewhere")
     cfg = model.cfg
     members, table = program_members(cfg, ckpt, devices), checkpoint_table(cfg, ckpt, devices)
     meta = json.dumps({"format": FORMAT, "config": cfg.to_dict(), "config_hash": cfg.hash,
                        "checkpoint_hash": checkpoint_hash or hash_dir(ckpt.directory)}, sort_keys=True)
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    scratch, tmp = out.with_name(f".{out.name}.scratch"), out.with_name(f".{out.name}.tmp")
+    scratch, tmp = (out.with_name(f".{out.name}.{os.getpid()}.{kind}") for kind in ("scratch", "tmp"))
     layout, offset = {}, 0
     for program, (dtype, shape) in table.items():
         layout[program] = (offset, math.prod(shape) * ITEMSIZE[dtype])
         offset += layout[program][1]
     try:
         with open(scratch, "wb") as f:
-            f.truncate(offset)
+            if offset:   # the space reserved now: a full disk is ENOSPC here, never SIGBUS in the mapped writes
+                os.posix_fallocate(f.fileno(), 0, offset)
         with open(scratch, "r+b") as f, mmap.mmap(f.fileno(), max(offset, 1)) as view:
             program_of = {name: program for program, names in members.items() for name in names}
             cursor = {program: start for program, (start, _) in layout.items()}
@@ -138,13 +143,17 @@ def pack(checkpoint: Path, out: Path, *, checkpoint_hash: str | None = None, dev
             index.add_buffer(META, meta.encode())
             index.create_archive_file(str(tmp))
             del index
-        os.replace(tmp, out)
+        digest = sha256_file(tmp)
+        os.link(tmp, out)   # never over a file: another writer's archive that appeared meanwhile stays
+    except FileExistsError:
+        raise K3Error(f"pack: {out} appeared while this archive was written (another k3c pack?); "
+                      "k3c does not replace it") from None
     except OSError as e:
         raise K3Error(f"pack: cannot write {out}: {e.strerror}") from None
     finally:
         for f in (scratch, tmp):
             f.unlink(missing_ok=True)
-    packed = Packed(out, sha256_file(out), len(layout), offset, time.perf_counter() - t0)
+    packed = Packed(out, digest, len(layout), offset, time.perf_counter() - t0)
     log(f"packed {packed.parameters} parameters ({packed.bytes / 1e6:.1f} MB) into {out} in {packed.seconds:.1f}s")
     return packed
 

@@ -199,6 +199,24 @@ def _single_token(encoding, text: str) -> int | None:
         return None
 
 
+def _check_ids(path: Path, hf: HFTokenizer, vocab_size: int) -> None:
+    """Every id of tokenizer.json below ``vocab_size``, each added token at the id the file gives
+    it (tokenizers silently renumbers an added token whose id is not the next free one)."""
+    added = json.loads(path.read_text(encoding="utf-8")).get("added_tokens") or []
+    for token in added:
+        if not (isinstance(token, dict) and isinstance(token.get("id"), int) and isinstance(token.get("content"), str)):
+            raise K3Error(f"tokenizer: {path}: added_tokens entries must be objects with an integer id and a string content")
+        if not 0 <= token["id"] < vocab_size:
+            raise K3Error(f"tokenizer: {path}: added token {token['content']!r:.40} has id {token['id']}, outside "
+                          f"the model's vocab_size {vocab_size}")
+        if hf.token_to_id(token["content"]) != token["id"]:
+            raise K3Error(f"tokenizer: {path}: added token {token['content']!r:.40} is id {token['id']} in the file, "
+                          f"but the tokenizer gives it id {hf.token_to_id(token['content'])}")
+    top = max(hf.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= vocab_size:
+        raise K3Error(f"tokenizer: {path}: token id {top} is outside the model's vocab_size {vocab_size}")
+
+
 def load_tokenizer(directory: Path, vocab_size: int, model_config: Path | None = None) -> Tokenizer:
     """The tokenizer in ``directory`` (``tiktoken.model`` first, else ``tokenizer.json``), with the
     EOS ids of its configs and of ``model_config`` (the checkpoint's config.json)."""
@@ -219,6 +237,7 @@ def load_tokenizer(directory: Path, vocab_size: int, model_config: Path | None =
             hf = HFTokenizer.from_file(str(directory / "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception on a bad file
             raise K3Error(f"tokenizer: {directory / 'tokenizer.json'} does not load: {e}") from None
+        _check_ids(directory / "tokenizer.json", hf, vocab_size)
         longest = max(len(t.encode()) for t in hf.get_vocab(with_added_tokens=True))
         tok = JsonTokenizer(**common, max_token_bytes=longest, tokenizer=hf)
         token_id = hf.token_to_id

@@ -110,6 +110,29 @@ def test_manifest_config_edited(bundle_copy):
     assert_one_line_error(*k3c_in_process("validate", bundle_copy), "compiled for config", "has config")
 
 
+@pytest.mark.slow  # tiny_bundle
+@pytest.mark.parametrize("name", ["tokenizer/chat_template.jinja", "tokenizer/generation_config.json",
+                                  "tokenizer/tiktoken.model", "notes.txt"])
+def test_a_file_the_manifest_does_not_list_is_refused(bundle_copy, name):
+    """Nothing unlisted is read: a template dropped into tokenizer/ would otherwise be rendered."""
+    (bundle_copy / name).write_text("INJECTED {{ messages[0].content }}")
+    assert_one_line_error(*k3c_in_process("run", bundle_copy, "--chat", "--prompt", "hi"), name, "not listed")
+
+
+@pytest.mark.slow  # tiny_bundle
+@pytest.mark.parametrize("link", ["tokenizer/tokenizer_config.json", "tokenizer"])
+def test_a_symbolic_link_in_the_bundle_is_refused_even_resealed(bundle_copy, tmp_path, link):
+    """A file or the tokenizer directory replaced by a link to a copy outside, every hash rewritten."""
+    outside = tmp_path / "outside"
+    shutil.copytree(bundle_copy / "tokenizer", outside)
+    manifest = open_bundle(bundle_copy).manifest
+    target = bundle_copy / link
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    target.symlink_to(outside if link == "tokenizer" else outside / target.name)
+    seal(bundle_copy, manifest)
+    assert_one_line_error(*k3c_in_process("run", bundle_copy, "--chat", "--prompt", "hi"), link, "symbolic link")
+
+
 def test_missing_bundle_directory(tmp_path):
     assert_one_line_error(*k3c_in_process("run", tmp_path / "nowhere", "--prompt-ids", "1"), "nowhere", "does not exist")
 

@@ -200,3 +200,75 @@ def test_zip_bombed_reference(tmp_path):
     assert (tmp_path / "reference.npz").stat().st_size < 100_000
     with pytest.raises(K3Error, match="unpacks to 8,388,"):
         load_reference(_reference_bundle(tmp_path / "reference.npz"))
+
+
+# ---- pack: the output policy -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ck") / "k3-tiny"
+    code, err = k3c_in_process("init-checkpoint", "--preset", "k3-tiny", out)
+    assert code == 0, err
+    return out
+
+
+def test_pack_into_its_own_checkpoint_is_refused(tiny_checkpoint):
+    before = sorted(p.name for p in tiny_checkpoint.iterdir())
+    assert_one_line_error(*k3c_in_process("pack", tiny_checkpoint, "-o", tiny_checkpoint / "w.irpa"),
+                          "inside the checkpoint")
+    assert sorted(p.name for p in tiny_checkpoint.iterdir()) == before
+
+
+def test_pack_never_replaces_an_archive_that_appeared_meanwhile(tiny_checkpoint, tmp_path, monkeypatch):
+    """Another writer's archive lands at the output while this one is written: it stays, this
+    one fails in one line and leaves no scratch or temporary file."""
+    from k3c.artifacts import pack as pack_module
+    out = tmp_path / "w.irpa"
+    digest = pack_module.sha256_file
+
+    def other_writer_finishes(path):
+        out.write_bytes(b"the other archive")
+        return digest(path)
+
+    monkeypatch.setattr(pack_module, "sha256_file", other_writer_finishes)
+    assert_one_line_error(*k3c_in_process("pack", tiny_checkpoint, "-o", out), "appeared while", "does not replace")
+    assert out.read_bytes() == b"the other archive"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.irpa"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 300 KB tmpfs (needs root and mount; skipped in one line where they are not there)."""
+    import shutil
+    import subprocess
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if not shutil.which("mount") or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(disk)],
+                                                   capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_pack_on_a_full_disk_is_one_error_and_leaves_nothing(tiny_checkpoint, small_disk):
+    import subprocess
+    from test_cli_errors import K3C
+    r = subprocess.run([str(K3C), "pack", str(tiny_checkpoint), "-o", str(small_disk / "w.irpa")],
+                       capture_output=True, text=True, timeout=120)
+    assert_one_line_error(r.returncode, r.stderr, "pack: cannot write", "No space left")
+    assert list(small_disk.iterdir()) == []
+
+
+@pytest.mark.parametrize("added_id, words", [(600, ["id 600", "outside", "vocab_size 512"]),
+                                             (300, ["id 300 in the file", "gives it id 258"])])
+def test_added_token_ids_are_read_as_the_file_gives_them(tok_dir, added_id, words):
+    """tokenizers would renumber these tokens to 258 without a word."""
+    path = tok_dir / "tokenizer.json"
+    raw = json.loads(path.read_text())
+    raw["added_tokens"].append({**raw["added_tokens"][-1], "id": added_id, "content": "<|extra|>"})
+    path.write_text(json.dumps(raw))
+    with pytest.raises(K3Error) as e:
+        load_tokenizer(tok_dir, 512)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    raw["added_tokens"][-1]["id"] = 258       # the next free id: read as given
+    path.write_text(json.dumps(raw))
+    assert load_tokenizer(tok_dir, 512).encode("<|extra|>", chat=True) == [258]
