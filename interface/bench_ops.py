@@ -26,7 +26,7 @@ from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
 from .build import cache_dir, cache_key, source_hash
 from ..artifacts.bundle import package_versions
-from ..utils.files import atomic_dir, seal_entry, verified_entry
+from ..utils.files import atomic_dir, cache_lock, seal_entry, verified_entry
 from ..ops import kda, mxfp4, mxfp4_moe
 from ..ops.base import TensorType
 from ..ops.mlir import standalone
@@ -80,13 +80,14 @@ def compile_cached(name: str, spec: dict, make_mlir, target: Target, log=print) 
                     bench_ops=hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
                     target=target.to_dict(), versions=package_versions())
     entry = cache_dir() / "ops" / f"{name}-{key}"
-    if verified_entry(entry, ("module.vmfb",), log):
-        log(f"{name}: compiled module found in cache")
-        return (entry / "module.vmfb").read_bytes()
-    vmfb = compile_mlir(make_mlir(), target, log=log)
-    with atomic_dir(entry) as tmp:
-        (tmp / "module.vmfb").write_bytes(vmfb)
-        seal_entry(tmp)
+    with cache_lock(entry, log):
+        if verified_entry(entry, ("module.vmfb",), log):
+            log(f"{name}: compiled module found in cache")
+            return (entry / "module.vmfb").read_bytes()
+        vmfb = compile_mlir(make_mlir(), target, log=log)
+        with atomic_dir(entry) as tmp:
+            (tmp / "module.vmfb").write_bytes(vmfb)
+            seal_entry(tmp)
     return vmfb
 
 

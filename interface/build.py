@@ -34,7 +34,7 @@ from ..model.convert import save_checkpoint
 from ..model.init import init_weights
 from ..compiler.targets import Target, compile_mlir
 from ..exporter.entry_points import ENTRY_POINTS
-from ..utils.files import atomic_dir, cache_dir, check_output, hash_dir, seal_entry, verified_entry
+from ..utils.files import atomic_dir, cache_dir, cache_lock, check_output, hash_dir, seal_entry, verified_entry
 from ..artifacts.pack import ParameterTable, checkpoint_table, first_table_difference, pack, read_archive, verify_archive
 from ..artifacts.bundle import (ARCHIVE, FORMAT, MODULE, REFERENCE, Bundle, Manifest, check_archive_fits,
                                 first_difference, module_facts, open_bundle, open_module, package_versions, seal)
@@ -83,15 +83,16 @@ def export_cached(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt:
         config=model.cfg.hash, dtypes={k: str(v) for k, v in sorted(dtypes.items())}, max_prompt=max_prompt,
         batch=batch, source=source_hash(EXPORT_SOURCES), versions=package_versions(),
         **({"devices": devices} if devices > 1 else {}))
-    if verified_entry(cached, ("torch.mlir", "entry_points.json"), log):
-        log(f"exported module found in cache ({cached})")
-        module = ir.Module.parse((cached / "torch.mlir").read_text(), context=ir.Context())
-        return module, json.loads((cached / "entry_points.json").read_text())
-    exported = export_model(model, dtypes, batch=batch, max_prompt=max_prompt, devices=devices, log=log)
-    with atomic_dir(cached) as tmp:
-        (tmp / "torch.mlir").write_text(exported.text)
-        (tmp / "entry_points.json").write_text(json.dumps(exported.entry_points))
-        seal_entry(tmp)
+    with cache_lock(cached, log):
+        if verified_entry(cached, ("torch.mlir", "entry_points.json"), log):
+            log(f"exported module found in cache ({cached})")
+            module = ir.Module.parse((cached / "torch.mlir").read_text(), context=ir.Context())
+            return module, json.loads((cached / "entry_points.json").read_text())
+        exported = export_model(model, dtypes, batch=batch, max_prompt=max_prompt, devices=devices, log=log)
+        with atomic_dir(cached) as tmp:
+            (tmp / "torch.mlir").write_text(exported.text)
+            (tmp / "entry_points.json").write_text(json.dumps(exported.entry_points))
+            seal_entry(tmp)
     return exported.module, exported.entry_points
 
 
@@ -104,21 +105,22 @@ def compile_model(model: K3Model, dtypes: dict[str, torch.dtype], target: Target
                     versions=package_versions(), bundle_format=FORMAT)
     cached = cache_dir() / key
     files = ("module.vmfb", "entry_points.json", "parameters.json")
-    if verified_entry(cached, files, log):
-        log(f"compiled module found in cache ({cached})")
-        return Compiled(*(f.read_bytes() if f.suffix == ".vmfb" else json.loads(f.read_text())
-                          for f in (cached / name for name in files)), key)
-    module, entry_points = export_cached(model, dtypes, max_prompt=max_prompt, batch=batch,
-                                         devices=target.devices, log=log)
-    Pipeline.for_target(target).run(module, log=log)
-    parameters = module_parameters(module)
-    stamp(module, module_facts(model.cfg.hash, parameters, target.to_dict(), max_prompt, batch))
-    vmfb = compile_mlir(str(module), target, log=log)
-    with atomic_dir(cached) as tmp:
-        (tmp / "module.vmfb").write_bytes(vmfb)
-        (tmp / "entry_points.json").write_text(json.dumps(entry_points))
-        (tmp / "parameters.json").write_text(json.dumps(parameters))
-        seal_entry(tmp)
+    with cache_lock(cached, log):
+        if verified_entry(cached, files, log):
+            log(f"compiled module found in cache ({cached})")
+            return Compiled(*(f.read_bytes() if f.suffix == ".vmfb" else json.loads(f.read_text())
+                              for f in (cached / name for name in files)), key)
+        module, entry_points = export_cached(model, dtypes, max_prompt=max_prompt, batch=batch,
+                                             devices=target.devices, log=log)
+        Pipeline.for_target(target).run(module, log=log)
+        parameters = module_parameters(module)
+        stamp(module, module_facts(model.cfg.hash, parameters, target.to_dict(), max_prompt, batch))
+        vmfb = compile_mlir(str(module), target, log=log)
+        with atomic_dir(cached) as tmp:
+            (tmp / "module.vmfb").write_bytes(vmfb)
+            (tmp / "entry_points.json").write_text(json.dumps(entry_points))
+            (tmp / "parameters.json").write_text(json.dumps(parameters))
+            seal_entry(tmp)
     return Compiled(vmfb, entry_points, parameters, key)
 
 

@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ..utils.files import atomic_dir, cache_dir, seal_entry, verified_entry
+from ..utils.files import atomic_dir, cache_dir, cache_lock, seal_entry, verified_entry
 
 KERNELS = Path(__file__).parent / "kernels"
 # a freestanding position-independent object for IREE's embedded ELF linker: no libc, no stack
@@ -45,16 +45,18 @@ def object_file(name: str, level: str) -> Path | None:
     flags = (f"-march={level}", *FLAGS)
     key = hashlib.sha256(b"\0".join([source.read_bytes(), version, " ".join(flags).encode()])).hexdigest()[:24]
     entry = cache_dir() / "objects" / f"{name}-{level}-{key}"
-    if verified_entry(entry, (f"{name}.o",)) is None:
-        with tempfile.TemporaryDirectory() as scratch:
-            built = Path(scratch) / f"{name}.o"
-            try:
-                done = subprocess.run([cc, *flags, str(source), "-o", str(built)], capture_output=True, timeout=120)
-            except (OSError, subprocess.SubprocessError):
-                return None
-            if done.returncode != 0:
-                return None
-            with atomic_dir(entry) as tmp:
-                shutil.copy(built, tmp / built.name)
-                seal_entry(tmp)
+    with cache_lock(entry):
+        if verified_entry(entry, (f"{name}.o",)) is None:
+            with tempfile.TemporaryDirectory() as scratch:
+                built = Path(scratch) / f"{name}.o"
+                try:
+                    done = subprocess.run([cc, *flags, str(source), "-o", str(built)], capture_output=True,
+                                          timeout=120)
+                except (OSError, subprocess.SubprocessError):
+                    return None
+                if done.returncode != 0:
+                    return None
+                with atomic_dir(entry) as tmp:
+                    shutil.copy(built, tmp / built.name)
+                    seal_entry(tmp)
     return entry / f"{name}.o"

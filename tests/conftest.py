@@ -83,8 +83,13 @@ def tiny_model64(tiny_cfg) -> K3Model:
 
 @pytest.fixture(scope="session")
 def k3c_cache(tmp_path_factory):
-    """An empty compile cache (K3C_CACHE) for this run, so ``tiny_bundle`` is really compiled."""
-    return tmp_path_factory.mktemp("k3c-cache")
+    """An empty compile cache (K3C_CACHE) for this run, so ``tiny_bundle`` is really compiled; one
+    for all the run's pytest-xdist workers (each entry is built by one of them while the others
+    wait: utils/files.py ``cache_lock``), so a module is compiled once per run."""
+    base = tmp_path_factory.getbasetemp()
+    cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "k3c-cache"
+    cache.mkdir(exist_ok=True)
+    return cache
 
 
 @pytest.fixture(scope="session")

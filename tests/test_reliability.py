@@ -35,6 +35,12 @@ def tree(path: Path) -> dict[str, bytes]:
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+def copy_cache(cache: Path, to: Path) -> Path:
+    """The run's compile cache as it is now, without what is being written (hidden temporary
+    directories and lock files: another pytest-xdist worker may be writing)."""
+    return Path(shutil.copytree(cache, to, ignore=shutil.ignore_patterns(".*")))
+
+
 def dead_pid() -> int:
     """The pid of a process that has exited (a writer killed earlier)."""
     p = subprocess.Popen(["true"])
@@ -190,7 +196,7 @@ def test_kill_during_iree_compile(tiny_bundle, k3c_cache, tmp_path, sig):
     import signal
     import time
 
-    cache = Path(shutil.copytree(k3c_cache, tmp_path / "cache"))
+    cache = copy_cache(k3c_cache, tmp_path / "cache")
     for entry in cache.iterdir():       # keep the export, drop the compiled module
         if (entry / "module.vmfb").is_file():
             shutil.rmtree(entry)
@@ -236,7 +242,7 @@ def test_damaged_cache_entry_is_discarded(tmp_path):
 def test_corrupt_cache_is_rebuilt(tiny_bundle, k3c_cache, tmp_path):
     """A flipped byte in the cached module.vmfb and a truncated cached torch.mlir: the next compile
     rebuilds both and its bundle runs as the original does (the one whole-model compile here)."""
-    cache = Path(shutil.copytree(k3c_cache, tmp_path / "cache"))
+    cache = copy_cache(k3c_cache, tmp_path / "cache")
     modules = list(cache.glob("*/module.vmfb"))
     exports = list(cache.glob("export/*/torch.mlir"))
     assert modules and exports
@@ -448,3 +454,40 @@ def test_incompatible_module_error_is_short():
 
 def test_marker_in_every_output(checkpoint, tiny_bundle):
     assert (checkpoint / MARKER).is_file() and (tiny_bundle.root / MARKER).is_file()
+
+
+def test_a_cache_entry_is_built_by_one_process_while_another_waits(tmp_path):
+    """A second process that needs an entry another one is building waits for its lock (saying so),
+    then finds the entry built; a process that dies holding the lock releases it."""
+    from k3c.utils.files import cache_lock
+    entry = tmp_path / "cache" / "entry"
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from pathlib import Path
+from k3c.utils.files import atomic_dir, cache_lock, seal_entry
+with cache_lock(Path({str(entry)!r})):
+    print("holding", flush=True)
+    time.sleep(1.5)
+    with atomic_dir(Path({str(entry)!r})) as tmp:
+        (tmp / "module.vmfb").write_bytes(b"built once")
+        seal_entry(tmp)
+"""], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    said = []
+    with cache_lock(entry, said.append):
+        assert verified_entry(entry, ("module.vmfb",)) == entry
+        assert (entry / "module.vmfb").read_bytes() == b"built once"
+    assert holder.wait() == 0 and said == [f"waiting for another k3c process that is building {entry}"]
+    killed = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from pathlib import Path
+from k3c.utils.files import cache_lock
+with cache_lock(Path({str(entry)!r})):
+    print("holding", flush=True)
+    time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    assert killed.stdout.readline().strip() == "holding"
+    killed.kill()
+    killed.wait()
+    with cache_lock(entry):
+        pass

@@ -11,12 +11,15 @@ Output directories (``check_output``, ``atomic_dir``):
   tidied up by the next writer of that target.
 
 Cache entries (``seal_entry``, ``verified_entry``): a directory whose files' sha256 are listed in
-``CONTENTS`` (sha256sum's format); a read re-hashes them and discards an entry that differs.
+``CONTENTS`` (sha256sum's format); a read re-hashes them and discards an entry that differs. Who
+builds an entry holds its lock (``cache_lock``), so two k3c processes that need one entry build
+it once: the second waits, then reads what the first wrote.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import glob
 import hashlib
 import os
@@ -213,6 +216,26 @@ def seal_entry(root: Path) -> None:
     """Write ``CONTENTS``: the sha256 of every other file under ``root``, in sha256sum's format."""
     lines = [f"{sha256_file(f)}  {name}\n" for name, f in files_under(root).items() if name not in (CONTENTS, MARKER)]
     (root / CONTENTS).write_text("".join(lines))
+
+
+@contextlib.contextmanager
+def cache_lock(entry: Path, log=None):
+    """Hold the lock of cache entry ``entry`` (an advisory ``flock`` on ``.<name>.lock`` beside it)
+    while the block looks the entry up and builds it, saying so with ``log`` when another process
+    holds it; the lock goes with the process, however it ends."""
+    entry = Path(entry)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(entry.with_name(f".{entry.name}.lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if log:
+                log(f"waiting for another k3c process that is building {entry}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def verified_entry(entry: Path, names: tuple[str, ...], log=print) -> Path | None:
