@@ -33,6 +33,14 @@ def cpu_target(target: str, *values):
     return pytest.param(target, *values, marks=marks, id="-".join([target, *map(str, values)]))
 
 
+def pytest_collection_modifyitems(items):
+    """A test that needs ``tiny_bundle`` (a whole-model compile) is slow, marked or not: the fast
+    tier never compiles a whole model."""
+    for item in items:
+        if "tiny_bundle" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 # every CPU target the tests run: this host's and each level
 CPU_TARGETS = ("cpu", "cpu:x86-64", "cpu:x86-64-v3", "cpu:x86-64-v4")
 
@@ -79,6 +87,16 @@ def tiny_model(tiny_cfg) -> K3Model:
 def tiny_model64(tiny_cfg) -> K3Model:
     """The same weights as ``tiny_model`` (drawn in fp32, widened exactly) in float64."""
     return init_weights(K3Model(tiny_cfg), seed=0).double().eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A seed-0 k3-tiny checkpoint directory as ``k3c init-checkpoint`` writes it. Read it, don't
+    modify it (copy it first)."""
+    from k3c.interface.checkpoints import init_checkpoint
+    out = tmp_path_factory.mktemp("ck") / "k3-tiny"
+    init_checkpoint("k3-tiny", 0, out, None, force=False, log=lambda _: None)
+    return out
 
 
 @pytest.fixture(scope="session")

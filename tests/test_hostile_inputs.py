@@ -203,14 +203,6 @@ def test_zip_bombed_reference(tmp_path):
 
 
 # ---- pack: the output policy -------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ck") / "k3-tiny"
-    code, err = k3c_in_process("init-checkpoint", "--preset", "k3-tiny", out)
-    assert code == 0, err
-    return out
-
-
 def test_pack_into_its_own_checkpoint_is_refused(tiny_checkpoint):
     before = sorted(p.name for p in tiny_checkpoint.iterdir())
     assert_one_line_error(*k3c_in_process("pack", tiny_checkpoint, "-o", tiny_checkpoint / "w.irpa"),

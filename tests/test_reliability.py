@@ -48,14 +48,6 @@ def dead_pid() -> int:
     return p.pid
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ck") / "k3-tiny"
-    code, err = k3c_script("init-checkpoint", "--preset", "k3-tiny", out)
-    assert code == 0, err
-    return out
-
-
 @pytest.fixture
 def bundle_copy(tiny_bundle, tmp_path) -> Path:
     return Path(shutil.copytree(tiny_bundle.root, tmp_path / "bundle"))
@@ -72,15 +64,15 @@ def test_directory_k3c_did_not_write_is_never_replaced(tmp_path):
     assert tree(p) == before and (p / "sub").is_dir()
 
 
-def test_replacing_k3c_output_needs_force(checkpoint, tmp_path):
+def test_replacing_k3c_output_needs_force(tiny_checkpoint, tmp_path):
     out = tmp_path / "ck"
-    shutil.copytree(checkpoint, out)
+    shutil.copytree(tiny_checkpoint, out)
     (out / "model.safetensors").write_bytes(b"stale")
     assert_one_line_error(*k3c_script("init-checkpoint", "--preset", "k3-tiny", out), "--force")
     assert (out / "model.safetensors").read_bytes() == b"stale"
     code, err = k3c_script("init-checkpoint", "--preset", "k3-tiny", "--force", out)
     assert code == 0, err
-    assert tree(out) == tree(checkpoint)
+    assert tree(out) == tree(tiny_checkpoint)
 
 
 @pytest.mark.parametrize("args", [
@@ -90,16 +82,16 @@ def test_replacing_k3c_output_needs_force(checkpoint, tmp_path):
     ("quantize", "{D}", "{D}"),
     ("export", "--format", "onnx", "--checkpoint", "{D}", "-o", "{D}/onnx"),
 ], ids=["same", "inside", "holds", "quantize", "export"])
-def test_input_and_output_may_not_nest(checkpoint, tmp_path, args):
-    d = Path(shutil.copytree(checkpoint, tmp_path / "ck"))
+def test_input_and_output_may_not_nest(tiny_checkpoint, tmp_path, args):
+    d = Path(shutil.copytree(tiny_checkpoint, tmp_path / "ck"))
     before = tree(d)
     code, err = k3c_script(*[a.format(D=d) for a in args])
     assert_one_line_error(code, err, "same or one holds the other")
     assert tree(d) == before
 
 
-def test_output_current_directory(checkpoint, tmp_path):
-    work = Path(shutil.copytree(checkpoint, tmp_path / "ck"))
+def test_output_current_directory(tiny_checkpoint, tmp_path):
+    work = Path(shutil.copytree(tiny_checkpoint, tmp_path / "ck"))
     before = tree(work)
     r = subprocess.run([str(K3C), "init-checkpoint", "--preset", "k3-tiny", "--force", "."], cwd=work,
                        capture_output=True, text=True, timeout=300)
@@ -133,7 +125,7 @@ def test_read_only_place_fails_before_any_work(tmp_path, monkeypatch):
 
 
 # ---- 7. what killed writers leave ------------------------------------------------------------
-def test_leftovers_of_killed_writers_are_tidied(checkpoint, tmp_path):
+def test_leftovers_of_killed_writers_are_tidied(tiny_checkpoint, tmp_path):
     out = tmp_path / "ck"
     temp = tmp_path / f".ck.k3c-{dead_pid()}-x1y2"
     (temp / "sub").mkdir(parents=True)
@@ -144,7 +136,7 @@ def test_leftovers_of_killed_writers_are_tidied(checkpoint, tmp_path):
     try:
         busy = tmp_path / f".ck.k3c-{live.pid}-busy"   # a writer still running: left alone
         busy.mkdir()
-        shutil.copytree(checkpoint, out)
+        shutil.copytree(tiny_checkpoint, out)
         code, err = k3c_script("init-checkpoint", "--preset", "k3-tiny", "--force", out)
         assert code == 0, err
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted([busy.name, "ck"])
@@ -452,8 +444,8 @@ def test_incompatible_module_error_is_short():
     assert "INCOMPATIBLE" in line and "cuda" in line and "\n" not in line
 
 
-def test_marker_in_every_output(checkpoint, tiny_bundle):
-    assert (checkpoint / MARKER).is_file() and (tiny_bundle.root / MARKER).is_file()
+def test_marker_in_every_output(tiny_checkpoint, tiny_bundle):
+    assert (tiny_checkpoint / MARKER).is_file() and (tiny_bundle.root / MARKER).is_file()
 
 
 def test_a_cache_entry_is_built_by_one_process_while_another_waits(tmp_path):
