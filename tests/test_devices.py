@@ -77,9 +77,10 @@ def _compile(args, cache, timeout=1500):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2])
 def test_tiny_on_local_devices_validates(n, k3c_cache, tmp_path):
-    """k3c compile --devices N then k3c validate: the same reference and tolerance as one device."""
+    """k3c compile --devices N then k3c validate: the same reference and tolerance as one device.
+    (Each count is a whole compile; the split of the experts over 3 devices is checked eagerly above.)"""
     bundle = tmp_path / f"tiny-x{n}"
     _compile(["compile", "--preset", "k3-tiny", "--target", "cpu", "--devices", str(n), "-o", str(bundle)], k3c_cache)
     r = _compile(["validate", str(bundle)], k3c_cache, timeout=600)
@@ -154,9 +155,11 @@ def test_placement_in_stream_ir(misplaced, k3c_cache, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["cuda:sm_80", "rocm:gfx942"])
+@pytest.mark.parametrize("target", ["cuda:sm_80"])
 def test_compiles_for_eight_gpus(target, k3c_cache, tmp_path):
-    """k3c compile --no-weights --devices 8 for CUDA and ROCm (compile only: CI has no GPU)."""
+    """k3c compile --no-weights --devices 8 for CUDA (compile only: CI has no GPU); ROCm's code
+    generation is compiled for one device in test_e2e_targets.py, the multi-device program is the
+    same for every GPU driver (compiler/targets.py on_devices)."""
     out = tmp_path / "module"
     _compile(["compile", "--preset", "k3-tiny", "--no-weights", "--target", target, "--devices", "8", "-o", str(out)],
              k3c_cache)

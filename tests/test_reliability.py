@@ -194,7 +194,7 @@ def test_kill_during_iree_compile(tiny_bundle, k3c_cache, tmp_path, sig):
             shutil.rmtree(entry)
     out = tmp_path / "b"
     env = {**os.environ, "K3C_CACHE": str(cache)}
-    k3c = subprocess.Popen([str(K3C), "compile", "--preset", "k3-tiny", "--max-prompt", "128", "-o", str(out)],
+    k3c = subprocess.Popen([str(K3C), "compile", "--preset", "k3-tiny", "-o", str(out)],
                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
