@@ -121,3 +121,29 @@ def test_a_shape_off_by_one_in_the_table_would_be_refused(release):
     entries = {**ckpt.entries, name: replace(entry, shape=(entry.shape[0] + 1, *entry.shape[1:]))}
     with pytest.raises(K3Error, match=re.escape(entry.key)):
         check_entries(replace(ckpt, entries=entries), expected)
+
+
+@pytest.mark.slow   # exports the full model: about a minute for K3
+def test_the_program_exported_from_the_config_reads_what_the_table_packs_into(release, k3c_cache, tmp_path,
+                                                                              monkeypatch):
+    """``k3c export --config`` of the released config.json (the front end of ``k3c compile
+    --no-weights``: export and every custom-op pass, iree-compile aside) gives a module whose
+    parameters are exactly what the released checkpoint, as its table lists it, packs into: names,
+    dtypes and shapes (artifacts/pack.py ``checkpoint_table``)."""
+    from iree.compiler import ir
+    from click.testing import CliRunner
+
+    from k3c.artifacts.pack import checkpoint_table
+    from k3c.cli import main
+    from k3c.interface.build import module_parameters
+
+    cfg, _, ckpt, _ = release
+    monkeypatch.setenv("K3C_CACHE", str(k3c_cache))
+    r = CliRunner().invoke(main, ["export", "--config", str(ckpt.directory), "--target", "cpu:x86-64",
+                                  "-o", str(tmp_path / "mlir")])
+    assert r.exit_code == 0, r.output
+    lowered = (tmp_path / "mlir" / "lowered.mlir").read_text()
+    assert "torch.k3." not in lowered        # every custom op lowered
+    module = ir.Module.parse(lowered, context=ir.Context())
+    table = checkpoint_table(cfg, ckpt)
+    assert len(table) > 30 and module_parameters(module) == table
