@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import iree.runtime as rt
 
+from ..errors import K3Error
+
 
 def to_device(device: rt.HalDevice, array: np.ndarray) -> rt.HalBufferView:
     """A device-local copy of ``array``."""
@@ -20,9 +22,12 @@ def to_device(device: rt.HalDevice, array: np.ndarray) -> rt.HalBufferView:
 
 class DeviceFunction:
     """Function ``name`` of module ``module`` in ``context``: called with numpy arrays (copied to
-    the device) or buffer views already there; returns the results as buffer views."""
+    the device) or buffer views already there; returns the results as buffer views. A failure on
+    the device (a lost device, a runtime assertion of the program) is one K3Error naming the
+    function."""
 
     def __init__(self, context: rt.SystemContext, module: str, name: str):
+        self.name = name
         self.device = context.config.device
         self.function = context.modules[module].vm_module.lookup_function(name)
         self._vm_context = context.vm_context
@@ -32,7 +37,12 @@ class DeviceFunction:
         for a in args:
             inputs.push_ref(a if isinstance(a, rt.HalBufferView) else to_device(self.device, a))
         outputs = rt.VmVariantList(8)
-        self._vm_context.invoke(self.function, inputs, outputs)
+        try:
+            self._vm_context.invoke(self.function, inputs, outputs)
+        except RuntimeError as e:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            why = (lines[0] if lines else type(e).__name__).removeprefix("Error invoking function: ")
+            raise K3Error(f"run: {self.name} failed on the device: {why[:300]}") from None
         return [outputs.get_as_object(i, rt.HalBufferView) for i in range(len(outputs))]
 
 

@@ -264,3 +264,20 @@ def test_added_token_ids_are_read_as_the_file_gives_them(tok_dir, added_id, word
     raw["added_tokens"][-1]["id"] = 258       # the next free id: read as given
     path.write_text(json.dumps(raw))
     assert load_tokenizer(tok_dir, 512).encode("<|extra|>", chat=True) == [258]
+
+
+def test_a_failure_on_the_device_is_one_error_naming_the_function():
+    """What IREE raises when a program's runtime assertion fails (or the device is lost): one line."""
+    from k3c.runtimes.readback import DeviceFunction
+
+    class FailingContext:
+        def invoke(self, function, inputs, outputs):
+            raise RuntimeError("Error invoking function: <vm>:0: FAILED_PRECONDITION; Runtime assertion failed "
+                               "for expression u5 <= 1 on node 'le_13'; \n[ 0] bytecode module@26:81 -")
+
+    call = object.__new__(DeviceFunction)
+    call.name, call.function, call._vm_context = "decode", None, FailingContext()
+    with pytest.raises(K3Error) as e:
+        call()
+    assert str(e.value) == ("run: decode failed on the device: <vm>:0: FAILED_PRECONDITION; Runtime assertion "
+                            "failed for expression u5 <= 1 on node 'le_13';")
