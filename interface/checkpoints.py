@@ -8,19 +8,17 @@ from pathlib import Path
 import torch
 
 from ..model.config import K3Config
-from ..model.convert import QuantizedTensor, quantize_checkpoint
+from ..model.convert import QuantizedTensor, quantize_checkpoint, save_checkpoint
+from ..model.init import init_weights
+from ..model.model import K3Model
 from ..model.shapes import require_memory
-from ..utils.files import check_output
+from ..utils.files import MARKER, check_output
 
 
 def init_checkpoint(preset: str, seed: int, out_dir: str | Path, shard_size: int | None, *, force: bool,
                     log=print) -> None:
     """A checkpoint of seeded random weights (the same seed gives the same bytes), refused up front
     where the model does not fit in the memory available here."""
-    from ..model.convert import save_checkpoint
-    from ..model.init import init_weights
-    from ..model.model import K3Model
-    from ..utils.files import MARKER
     cfg = K3Config.preset(preset)
     check_output(out_dir, force=force)
     require_memory(cfg, torch.float32, "init-checkpoint")
