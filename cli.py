@@ -22,6 +22,11 @@ from .interface import DEFAULT_MAX_PROMPT
 from .interface.bench_report import SECTIONS as BENCH_SECTIONS
 
 
+# what lowering and compiling import and running a bundle does not (docs/bundle.md: a machine that
+# only runs bundles installs iree-base-runtime)
+COMPILER_PACKAGES = ("iree.compiler", "torch_mlir", "onnxscript")
+
+
 class _Group(click.Group):
     """Turns K3Error (and the OS errors of files k3c cannot read or write) into ``error: ...`` and
     exit code 1. SIGTERM unwinds like Ctrl-C (exit 143), so temporary outputs are removed and an
@@ -36,6 +41,12 @@ class _Group(click.Group):
             sys.exit(1)
         except OSError as e:
             click.echo(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""), err=True)
+            sys.exit(1)
+        except ModuleNotFoundError as e:
+            if e.name is None or not e.name.startswith(COMPILER_PACKAGES):
+                raise
+            click.echo(f"error: {ctx.invoked_subcommand}: needs the compiler packages ({e.name} is not installed); "
+                       "running a bundle needs iree-base-runtime alone", err=True)
             sys.exit(1)
 
 

@@ -191,7 +191,7 @@ def compiles_here(target: Target) -> bool:
     """Whether this iree-compile builds a small reduction for ``target`` (probed once per process)."""
     try:
         compile_mlir(PROBE, target, log=lambda _: None)
-    except K3Error:
+    except (K3Error, ImportError):   # ImportError: iree-base-compiler is not installed here
         return False
     return True
 

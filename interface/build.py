@@ -7,6 +7,9 @@ its weights to compile it: export runs on the meta device, the pack step streams
 (artifacts/pack.py), and only the reference outputs need the float32 model, computed when it fits
 in memory (docs/bundle.md §6). ``attach_weights`` makes a bundle of a module compiled with
 ``--no-weights`` and a checkpoint, without compiling again.
+
+The compile chain (export, passes, iree.compiler) is imported by the functions that run it:
+attaching weights and running a bundle need iree-base-runtime alone (docs/bundle.md).
 """
 from __future__ import annotations
 
@@ -21,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from iree.compiler import ir
 
 from ..errors import K3Error
 from . import DEFAULT_MAX_PROMPT
@@ -38,8 +40,6 @@ from ..utils.files import atomic_dir, cache_dir, cache_lock, check_output, hash_
 from ..artifacts.pack import ParameterTable, checkpoint_table, first_table_difference, pack, read_archive, verify_archive
 from ..artifacts.bundle import (ARCHIVE, FORMAT, MODULE, REFERENCE, Bundle, Manifest, check_archive_fits,
                                 first_difference, module_facts, open_bundle, open_module, package_versions, seal)
-from ..exporter.export import export_model
-from ..passes.pipeline import Pipeline
 from ..runtimes.tokenizer import TOKENIZER_FILES, load_tokenizer, write_byte_level_tokenizer
 
 # The validation prompt (prefill in one call, then DECODE_STEPS greedy steps): 600 tokens cross the
@@ -86,8 +86,10 @@ def export_cached(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt:
     with cache_lock(cached, log):
         if verified_entry(cached, ("torch.mlir", "entry_points.json"), log):
             log(f"exported module found in cache ({cached})")
+            from iree.compiler import ir
             module = ir.Module.parse((cached / "torch.mlir").read_text(), context=ir.Context())
             return module, json.loads((cached / "entry_points.json").read_text())
+        from ..exporter.export import export_model
         exported = export_model(model, dtypes, batch=batch, max_prompt=max_prompt, devices=devices, log=log)
         with atomic_dir(cached) as tmp:
             (tmp / "torch.mlir").write_text(exported.text)
@@ -112,6 +114,7 @@ def compile_model(model: K3Model, dtypes: dict[str, torch.dtype], target: Target
                               for f in (cached / name for name in files)), key)
         module, entry_points = export_cached(model, dtypes, max_prompt=max_prompt, batch=batch,
                                              devices=target.devices, log=log)
+        from ..passes.pipeline import Pipeline
         Pipeline.for_target(target).run(module, log=log)
         parameters = module_parameters(module)
         stamp(module, module_facts(model.cfg.hash, parameters, target.to_dict(), max_prompt, batch))
@@ -131,6 +134,7 @@ _ELEMENT = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i8": "uint8
 def module_parameters(module) -> ParameterTable:
     """What a lowered module reads: each ``util.global`` initialised from a named parameter, as
     [dtype, shape] (pack.ParameterTable), from the module itself."""
+    from iree.compiler import ir
     table = {}
     with module.context:
         for op in module.body.operations:
@@ -145,6 +149,7 @@ def module_parameters(module) -> ParameterTable:
 def stamp(module, facts: dict[str, str]) -> None:
     """Put ``facts`` (bundle.module_facts) into the reflection metadata of the module's entry points,
     where iree-compile keeps them and the verifier of a bundle reads them back (bundle.check_module)."""
+    from iree.compiler import ir
     with module.context:
         attr = ir.DictAttr.get({k: ir.StringAttr.get(v) for k, v in facts.items()})
         for op in module.body.operations:
@@ -301,6 +306,7 @@ def export_mlir(out: Path, cfg: K3Config, target: Target, *, dtypes: dict[str, t
     module, _ = export_cached(meta_model(cfg), dtypes or published_dtypes(cfg), max_prompt=max_prompt,
                               devices=target.devices, log=log)
     before = str(module)
+    from ..passes.pipeline import Pipeline
     Pipeline.for_target(target).run(module, log=log)
     with atomic_dir(out, force=force) as tmp:
         (tmp / "torch.mlir").write_text(before)
@@ -369,6 +375,7 @@ def build_bundle_from_onnx(out: Path, target: Target, onnx_dir: Path, force: boo
     with atomic_dir(out, force=force) as tmp:
         shutil.copytree(ck_src, tmp / "checkpoint")
         cfg = K3Config.from_hf(tmp / "checkpoint")
+        from ..passes.pipeline import Pipeline
         Pipeline.for_target(target).run(imported.module, log=log)
         parameters = module_parameters(imported.module)
         stamp(imported.module, module_facts(cfg.hash, parameters, target.to_dict(), source["max_prompt"]))

@@ -12,13 +12,16 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from iree.compiler import ir, passmanager
-from iree.compiler.dialects import func as func_d
+
+try:
+    from iree.compiler import ir, passmanager
+    from iree.compiler.dialects import func as func_d
+except ImportError:  # iree-base-runtime alone runs a bundle; only lowering needs the compiler
+    ir = passmanager = func_d = None
 
 from ..errors import K3Error
 
-_FLOATS = {torch.float64: ir.F64Type.get, torch.float32: ir.F32Type.get, torch.float16: ir.F16Type.get,
-           torch.bfloat16: ir.BF16Type.get}
+_FLOATS = {torch.float64: "F64Type", torch.float32: "F32Type", torch.float16: "F16Type", torch.bfloat16: "BF16Type"}
 # integer dtype -> (bits, signedness in a !torch.vtensor: True si, False ui, None signless), as
 # torch-mlir's FX importer spells them (a builtin tensor holds every integer signless)
 _INTEGERS = {torch.int64: (64, True), torch.int32: (32, True), torch.int16: (16, True), torch.int8: (8, True),
@@ -28,14 +31,14 @@ _INTEGERS = {torch.int64: (64, True), torch.int32: (32, True), torch.int16: (16,
 def _builtin_element(dtype: torch.dtype) -> ir.Type:
     """The element type of ``dtype`` in a builtin tensor (integers signless, as torch-mlir converts them)."""
     if dtype in _FLOATS:
-        return _FLOATS[dtype]()
+        return getattr(ir, _FLOATS[dtype]).get()
     return ir.IntegerType.get_signless(_INTEGERS[dtype][0])
 
 
 def _torch_element(dtype: torch.dtype) -> ir.Type:
     """The element type of ``dtype`` in a ``!torch.vtensor`` (si64, ui8, i1, f32...)."""
     if dtype in _FLOATS:
-        return _FLOATS[dtype]()
+        return getattr(ir, _FLOATS[dtype]).get()
     bits, signed = _INTEGERS[dtype]
     if signed is None:
         return ir.IntegerType.get_signless(bits)

@@ -11,7 +11,11 @@ import re
 import sys
 
 import jinja2
-from iree.compiler import ir
+
+try:
+    from iree.compiler import ir
+except ImportError:  # iree-base-runtime alone runs a bundle; only lowering needs the compiler
+    ir = None
 
 from ..errors import K3Error
 

@@ -39,7 +39,7 @@ class DeviceFunction:
         outputs = rt.VmVariantList(8)
         try:
             self._vm_context.invoke(self.function, inputs, outputs)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:   # the runtime raises ValueError for INVALID_ARGUMENT
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             why = (lines[0] if lines else type(e).__name__).removeprefix("Error invoking function: ")
             raise K3Error(f"run: {self.name} failed on the device: {why[:300]}") from None

@@ -84,7 +84,7 @@ class Session:
         module = rt.VmModule.copy_buffer(self.config.vm_instance, bundle.module_path.read_bytes())
         try:
             context = load(self.config, params, module)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
             raise K3Error(f"run: the module in {bundle.root} does not load with its parameters: "
                           f"{iree_error_line(e)}") from None
         self.device = self.config.device

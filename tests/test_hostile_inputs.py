@@ -266,18 +266,25 @@ def test_added_token_ids_are_read_as_the_file_gives_them(tok_dir, added_id, word
     assert load_tokenizer(tok_dir, 512).encode("<|extra|>", chat=True) == [258]
 
 
-def test_a_failure_on_the_device_is_one_error_naming_the_function():
-    """What IREE raises when a program's runtime assertion fails (or the device is lost): one line."""
+@pytest.mark.parametrize("error, name, line", [
+    (RuntimeError("Error invoking function: <vm>:0: FAILED_PRECONDITION; Runtime assertion failed for expression "
+                  "u5 <= 1 on node 'le_13'; \n[ 0] bytecode module@26:81 -"),
+     "decode", "<vm>:0: FAILED_PRECONDITION; Runtime assertion failed for expression u5 <= 1 on node 'le_13';"),
+    (ValueError("Error invoking function: INVALID_ARGUMENT; while invoking native function hal.device.queue.dealloca; "
+                "while calling import; \n[ 1] bytecode module@16:87382 -\n[ 0] bytecode module@17:77 -"),
+     "prefill", "INVALID_ARGUMENT; while invoking native function hal.device.queue.dealloca; while calling import;"),
+], ids=["assertion", "invalid-argument"])
+def test_a_failure_on_the_device_is_one_error_naming_the_function(error, name, line):
+    """What IREE raises when a program's runtime assertion fails, the device is lost or a queue
+    operation is refused (a RuntimeError or a ValueError, by status): one line."""
     from k3c.runtimes.readback import DeviceFunction
 
     class FailingContext:
         def invoke(self, function, inputs, outputs):
-            raise RuntimeError("Error invoking function: <vm>:0: FAILED_PRECONDITION; Runtime assertion failed "
-                               "for expression u5 <= 1 on node 'le_13'; \n[ 0] bytecode module@26:81 -")
+            raise error
 
     call = object.__new__(DeviceFunction)
-    call.name, call.function, call._vm_context = "decode", None, FailingContext()
+    call.name, call.function, call._vm_context = name, None, FailingContext()
     with pytest.raises(K3Error) as e:
         call()
-    assert str(e.value) == ("run: decode failed on the device: <vm>:0: FAILED_PRECONDITION; Runtime assertion "
-                            "failed for expression u5 <= 1 on node 'le_13';")
+    assert str(e.value) == f"run: {name} failed on the device: {line}"
