@@ -212,13 +212,20 @@ def _linear_weight(layer: nn.Module, name: str) -> bool:
     return leaf == "weight" and isinstance(layer.get_submodule(module), Linear)
 
 
-def _index(t: Tensor, size: int):
-    """A position read from a table entry, as an index into a dimension of ``size`` (an unbacked
-    integer in torch.export, bounded for the checks of select and slice_scatter)."""
-    i = t.item()
+def _bounded(i, size: int):
+    """An integer computed on the host (an unbacked integer in torch.export) as an index into a
+    dimension of ``size``: bounded for the checks of select and slice_scatter."""
     torch._check(i >= 0)
     torch._check(i < size)
     return i
+
+
+def _affine(values: list[list[int]], what: str) -> tuple[list[int], list[int]]:
+    """Per-iteration values [k][o] as v0[o] + k * dv[o]; ValueError where they are not affine in k."""
+    v0, dv = values[0], [b - a for a, b in zip(values[0], values[1] if len(values) > 1 else values[0])]
+    if any(v != [a + k * d for a, d in zip(v0, dv)] for k, v in enumerate(values)):
+        raise ValueError(f"{what} is not affine in the iteration")
+    return v0, dv
 
 
 def _put(stack: Tensor, value: Tensor, i) -> Tensor:
@@ -230,25 +237,34 @@ def _put(stack: Tensor, value: Tensor, i) -> Tensor:
 
 class RunBody(nn.Module):
     """One iteration k of a layer run (model/stacking.py ``LayerRun``): its ``period`` layers, each a
-    placeholder call of its group's body. Every per-layer position (bank row n, close, state slot,
-    model layer) is read from a table at row k, so the same code serves every iteration; the index j
-    in the group is j(0) + k * (the group's layers per iteration), an integer computed from k. The
-    carry is (E, p, *new state stacks[, hidden]); ``given`` are the state stacks the entry point
-    received (none in prefill). New state is written into its stack at the layer's slot (for MLA
-    the cache rows of the T tokens: the entry point appends them to the given caches at the end)."""
+    placeholder call of its group's body. Every per-layer position is an integer computed on the
+    host from k, so the same code serves every iteration: the model layer i, its index j in the
+    group and its state slot are affine in k; the bank row n and whether the layer closes a block
+    follow from i and the AttnRes block size. Nothing is read back from the device to index the
+    state (docs/pipeline.md §5: such reads inside a loop came back wrong on Vulkan). The carry is
+    (E, p, *new state stacks[, hidden]); ``given`` are the state stacks the entry point received
+    (none in prefill). New state is written into its stack at the layer's slot (for MLA the cache
+    rows of the T tokens: the entry point appends them to the given caches at the end)."""
 
     def __init__(self, program, run, key: str):
         super().__init__()
         cfg = program.cfg
         self.cfg, self.run, self.key = cfg, run, key
         object.__setattr__(self, "program", program)   # not a submodule: its weights are not the run's
-        closes = [int(cfg.closes_block(i)) for i in range(cfg.num_hidden_layers)]
-        self.table = [[[sum(closes[:i]), closes[i], program.slots[i], i] for i in run.layers(k)]
-                      for k in range(run.count)]
-        j = [[program.places[i][1] for i in run.layers(k)] for k in range(run.count)]
-        self.j0, self.dj = j[0], [b - a for a, b in zip(j[0], j[1] if run.count > 1 else j[0])]
-        if any(j[k] != [a + k * d for a, d in zip(self.j0, self.dj)] for k in range(run.count)):
-            raise ValueError(f"layer run {run}: a layer's index in its group is not affine in the iteration")
+        layers = [list(run.layers(k)) for k in range(run.count)]
+        self.j0, self.dj = _affine([[program.places[i][1] for i in ls] for ls in layers],
+                                   f"layer run {run}: a layer's index in its group")
+        self.slot0, self.dslot = _affine([[program.slots[i] for i in ls] for ls in layers],
+                                         f"layer run {run}: a layer's state slot")
+
+    def bank_position(self, i):
+        """(n, close) of model layer i: its bank row, sum(closes_block(l) for l < i), and whether it
+        closes a block (i % B == 0), from i alone: n = ceil(i / B), close = 1 - (ceil(i / B) - floor(i / B))."""
+        if not self.cfg.uses_attn_res:
+            return 0, 0
+        B = self.cfg.attn_res_block_size
+        n = (i + B - 1) // B
+        return n, 1 - (n - i // B)
 
     def forward(self, k, *tensors):
         program, cfg = self.program, self.cfg
@@ -257,13 +273,15 @@ class RunBody(nn.Module):
         new = dict(zip(names, tensors[2:2 + len(names)]))
         hidden = tensors[2 + len(names)] if program.mode == "prefill" else None
         given = dict(zip(names, tensors[2 + len(names) + (hidden is not None):]))
-        rows = torch.tensor(self.table, dtype=torch.int32).to(k.device).index_select(0, k).squeeze(0)
-        iteration = _index(k, self.run.count)
+        iteration = _bounded(k.item(), self.run.count)   # k is the loop's counter, made on the host
         D = p.shape[-1]
         for o, layer in enumerate(self.run.layers(0)):
-            at, j = rows[o, :2], self.j0[o] + iteration * self.dj[o]
-            n, slot, i = (_index(rows[o, c], size) for c, size in
-                          ((0, E.shape[0]), (2, self.program.slots_of[cfg.layer_kinds[layer]]), (3, cfg.num_hidden_layers)))
+            i = _bounded(layer + iteration * self.run.period, cfg.num_hidden_layers)
+            j = self.j0[o] + iteration * self.dj[o]
+            slot = _bounded(self.slot0[o] + iteration * self.dslot[o], program.slots_of[cfg.layer_kinds[layer]])
+            n, close = self.bank_position(i)
+            n = _bounded(n, E.shape[0])
+            at = torch.cat([torch.full((1,), v, dtype=torch.int32, device=E.device) for v in (n, close)])
             E = _put(E, p, n)
             kind = cfg.layer_kinds[layer]
             body = program.body(program.places[layer][0], kind)
