@@ -9,8 +9,7 @@ loop forms are few (``loop_form``: six for 2 to 13 layers), but each count is a 
 minutes on 2 shared cores), so the suite compiles and validates 8 layers, the form that failed in
 iree-compile until the MoE grouping changed (docs/pipeline.md §5); ``K3C_LAYER_COUNTS=forms``
 validates 5, 8, 9 and 13 and compiles one count of every other form and Kimi Linear's 27, ``=all``
-every count from 2 to 13 and Kimi Linear's 8 and 27. The 7-layer plan fails in iree-compile, in
-IREE 3.13's timepoint elision (same section): an expected failure."""
+every count from 2 to 13 and Kimi Linear's 8 and 27."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +19,6 @@ import pytest
 
 from test_layer_runs import deeper  # tests/ is on sys.path
 from k3c.compiler.targets import parse_target
-from k3c.errors import K3Error
 from k3c.interface.build import attach_weights, build_module_only
 from k3c.interface.validate import validate
 from k3c.model import K3Config, K3Model
@@ -34,8 +32,6 @@ K3_COUNTS = range(2, 14)
 VALIDATED = (5, 8, 9, 13)
 KIMI_COUNTS = (8, 27)  # 27: Kimi Linear's own depth; 8: the form of K3's 8 layers
 MODE = os.environ.get("K3C_LAYER_COUNTS")
-# IREE 3.13: "failed to solve for timepoint coverage" (iree-stream-elide-timepoints), docs/pipeline.md §5
-FAILS = {7: "IREE 3.13 fails to solve for timepoint coverage"}
 
 
 def k3_plan(n: int) -> K3Config:
@@ -75,11 +71,9 @@ def one_count_per_form() -> list[int]:
     return sorted(chosen)
 
 
-def k3_counts() -> list:
-    """What the suite compiles (module docstring); a count that IREE 3.13 fails on is an expected failure."""
-    counts = list(K3_COUNTS) if MODE == "all" else one_count_per_form() if MODE == "forms" else [8]
-    return [pytest.param(n, marks=pytest.mark.xfail(raises=K3Error, strict=True, reason=FAILS[n])) if n in FAILS else n
-            for n in counts]
+def k3_counts() -> list[int]:
+    """What the suite compiles (module docstring)."""
+    return list(K3_COUNTS) if MODE == "all" else one_count_per_form() if MODE == "forms" else [8]
 
 
 def kimi_counts() -> list:
