@@ -141,8 +141,13 @@ def pack(checkpoint: Path, out: Path, *, checkpoint_hash: str | None = None, dev
                 index.add_buffer(program, memoryview(view)[start:start + nbytes], metadata=json.dumps(
                     {"dtype": dtype, "shape": shape, "sha256": digests[program].hexdigest()}))
             index.add_buffer(META, meta.encode())
-            index.create_archive_file(str(tmp))
-            del index
+            try:
+                index.create_archive_file(str(tmp))
+            except RuntimeError as e:   # the archive writer's failures, a full disk among them
+                why = str(e).splitlines()[0].rsplit("; ", 1)[-1]
+                raise K3Error(f"pack: cannot write {out}: {why}") from None
+            finally:
+                del index   # its buffers are views of the mapped scratch file, closed next
         digest = sha256_file(tmp)
         os.link(tmp, out)   # never over a file: another writer's archive that appeared meanwhile stays
     except FileExistsError:

@@ -179,8 +179,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path) -> list[QuantizedTenso
             else:
                 with safe_open(path, framework="pt") as f:
                     total += write_safetensors(tmp / path.name, out, quantized_tensors(f, header, report))
+        stored = {path.resolve() for path in ckpt.stored}
         for item in sorted(src.iterdir()):   # config, index, tokenizer and the like
-            if item not in ckpt.stored:
+            if item.resolve() not in stored:
                 (shutil.copytree if item.is_dir() else shutil.copyfile)(item, tmp / item.name)
         if report:
             raw = json.loads((src / CONFIG_FILE).read_text())

@@ -229,6 +229,18 @@ def test_quantize_converts_float_experts_within_the_mxfp4_bound(float_ckpt, tmp_
     assert load_checkpoint(out).cfg.experts_mxfp4 and logits(load_checkpoint(out)).isfinite().all()
 
 
+def test_quantize_with_relative_paths_writes_the_quantised_experts(float_ckpt, tmp_path, monkeypatch):
+    """The paths as a user types them, relative to the working directory: the experts written are
+    the quantised ones, not the source's copied over them."""
+    monkeypatch.chdir(float_ckpt.parent)
+    run = CliRunner().invoke(main, ["quantize", float_ckpt.name, "mxfp4-relative"])
+    assert run.exit_code == 0, run.output
+    out = load_file(float_ckpt.parent / "mxfp4-relative" / "model.safetensors")
+    assert any(k.endswith("_packed") for k in out) and not any(k.endswith("w1.weight") for k in out)
+    quantize_checkpoint(float_ckpt, tmp_path / "absolute")
+    assert digests(float_ckpt.parent / "mxfp4-relative") == digests(tmp_path / "absolute")
+
+
 def test_quantize_is_idempotent(float_ckpt, ckpt, tmp_path):
     once = tmp_path / "once"
     quantize_checkpoint(float_ckpt, once)
