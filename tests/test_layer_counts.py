@@ -6,10 +6,11 @@ eager PyTorch.
 The compiled program depends on the count through its layer runs (model/stacking.py ``layer_runs``):
 which layers are written out before the loop, the loop's iteration, whether layers follow it. Those
 loop forms are few (``loop_form``: six for 2 to 13 layers), but each count is a whole compile (2 to 6
-minutes on 2 shared cores), so the suite compiles and validates 8 layers, the form that failed in
-iree-compile until the MoE grouping changed (docs/pipeline.md §5); ``K3C_LAYER_COUNTS=forms``
-validates 5, 8, 9 and 13 and compiles one count of every other form and Kimi Linear's 27, ``=all``
-every count from 2 to 13 and Kimi Linear's 8 and 27."""
+minutes on 2 shared cores), so the suite compiles and validates 5, 8, 9 and 13 layers (8 and 9 the
+form that failed in iree-compile until the MoE grouping changed, docs/pipeline.md §5);
+``K3C_LAYER_COUNTS=forms`` adds one count of every other form (7 among them, which failed while the
+loop read its positions back from the device) and Kimi Linear's 27, ``=all`` every count from 2 to 13
+and Kimi Linear's 8 and 27."""
 from __future__ import annotations
 
 import dataclasses
@@ -73,17 +74,13 @@ def one_count_per_form() -> list[int]:
 
 def k3_counts() -> list[int]:
     """What the suite compiles (module docstring)."""
-    return list(K3_COUNTS) if MODE == "all" else one_count_per_form() if MODE == "forms" else [8]
+    return list(K3_COUNTS) if MODE == "all" else one_count_per_form() if MODE == "forms" else list(VALIDATED)
 
 
 def kimi_counts() -> list:
     if MODE in ("all", "forms"):
         return list(KIMI_COUNTS if MODE == "all" else KIMI_COUNTS[1:])
     return [pytest.param(27, marks=pytest.mark.skip(reason="a whole compile: K3C_LAYER_COUNTS=forms or all runs it"))]
-
-
-def validated_counts() -> tuple[int, ...]:
-    return VALIDATED if MODE in ("all", "forms") else (8,)
 
 
 def test_chosen_counts_cover_every_loop_form():
@@ -127,7 +124,7 @@ def test_kimi_linear_plan_compiles(compiled, n):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", validated_counts())
+@pytest.mark.parametrize("n", VALIDATED)
 def test_k3_plan_validates(compiled, tmp_path, k3c_cache, monkeypatch, n):
     """The module compiled above with a seed-0 checkpoint of its config attached (k3c attach: no
     second compile): prefill and decode steps within the CPU tolerance of eager PyTorch."""
