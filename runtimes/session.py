@@ -14,10 +14,12 @@ import iree.runtime as rt
 import numpy as np
 
 from ..artifacts.bundle import Bundle
-from ..compiler.devices import check_device, open_devices
+from ..compiler.device_limits import limits_of
+from ..compiler.devices import check_device, devices, open_devices
 from ..compiler.targets import Target
 from ..errors import K3Error
 from ..utils.memory import keep_freed_heap
+from .device_fit import fit
 from .readback import DeviceFunction, load, read_back
 
 
@@ -57,6 +59,13 @@ def iree_error_line(e: Exception, limit: int = 300) -> str:
 MULTI_DEVICE_DRIVER = {"local-task": "local-sync"}
 
 
+def extend_pieces(ids: np.ndarray, max_prompt: int) -> list[np.ndarray]:
+    """How ``extend`` feeds ``ids``: the fewest pieces of at most ``max_prompt`` tokens, of equal
+    length but for one token (the serving engine feeds a prompt the same way, so a sequence served
+    beside others computes what it computes alone)."""
+    return np.array_split(ids, -(-ids.size // max_prompt))
+
+
 class Session:
     def __init__(self, bundle: Bundle, driver: str | None = None):
         """``driver``: another IREE driver for a one-device bundle's device (the bench runs a
@@ -64,9 +73,13 @@ class Session:
         m = bundle.manifest
         self.bundle, self.vocab = bundle, m.config["vocab_size"]
         self.max_context = m.config["max_position_embeddings"]
+        self.context_limit = ""         # why max_context is below the config's, when the device bounds it
         self.target = m.target
         target = Target.from_dict(m.target)
         check_device(target)
+        limits = limits_of(devices("vulkan")[0]) if target.driver == "vulkan" else None
+        if limits is not None:
+            self.max_context, self.context_limit = fit(m, limits, str(bundle.root))
         keep_freed_heap()
         try:
             if target.devices == 1:
@@ -149,7 +162,7 @@ class Session:
                           f"prefill), so it takes at most {self.bundle.manifest.max_prompt} prompt tokens "
                           "and no chat turns; compile it again")
         self._check_room(ids.size)
-        pieces = np.array_split(ids, -(-ids.size // self.bundle.manifest.max_prompt))
+        pieces = extend_pieces(ids, self.bundle.manifest.max_prompt)
         out = []
         for i, piece in enumerate(pieces):
             logits, *self.state = self.call["extend"](piece[None], *self.state)
@@ -159,10 +172,11 @@ class Session:
         return out[0][-1:] if last_only else np.concatenate(out)
 
     def _check_room(self, n: int) -> None:
+        why = f" on this device: {self.context_limit}" if self.context_limit else ""
         if self.position == 0 and n > self.max_context:
-            raise K3Error(f"run: the prompt has {n} tokens; the context holds {self.max_context}")
+            raise K3Error(f"run: the prompt has {n} tokens; the context holds {self.max_context}{why}")
         if self.position + n > self.max_context:
-            raise K3Error(f"run: {n} more tokens do not fit: the context holds {self.max_context} tokens, "
+            raise K3Error(f"run: {n} more tokens do not fit: the context holds {self.max_context} tokens{why}, "
                           f"{self.position} used, {self.max_context - self.position} free")
 
     def decode(self, token: int) -> np.ndarray:
@@ -170,7 +184,8 @@ class Session:
         if self.state is None:
             raise K3Error("run: decode before prefill")
         if self.position >= self.max_context:
-            raise K3Error(f"run: the context is full: it holds {self.max_context} tokens (prompt and generated)")
+            raise K3Error(f"run: the context is full: it holds {self.max_context} tokens (prompt and generated)"
+                          + (f" on this device: {self.context_limit}" if self.context_limit else ""))
         ids = self.check_ids([token])
         logits, *self.state = self.call["decode"](ids[None], *self.state)
         self.position += 1

@@ -34,14 +34,42 @@ def test_k3_tiny_validates_at_each_cpu_level(target, tiny_bundle, k3c_cache, tmp
         assert s.passed and s.max_abs <= TOLERANCE["llvm-cpu"] and s.top1 == 1.0, s
 
 
+@pytest.fixture(scope="module")
+def vulkan_bundle(tiny_bundle, k3c_cache, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return build_for("vulkan", tiny_bundle, k3c_cache, tmp_path_factory.mktemp("vulkan"), monkeypatch)
+
+
 @needs_vulkan_run
-def test_k3_tiny_validates_on_vulkan(tiny_bundle, k3c_cache, tmp_path, monkeypatch):
-    bundle = build_for("vulkan", tiny_bundle, k3c_cache, tmp_path, monkeypatch)
-    assert bundle.manifest.target["name"] == "vulkan:llvmpipe"
-    steps, _ = validate(bundle)
+def test_k3_tiny_validates_on_vulkan(vulkan_bundle):
+    assert vulkan_bundle.manifest.target["name"] == "vulkan:llvmpipe"
+    steps, _ = validate(vulkan_bundle)
     assert len(steps) == 9
     for s in steps:
         assert s.passed and s.max_abs <= TOLERANCE["vulkan-spirv"] and s.top1 == 1.0, s
+
+
+@needs_vulkan_run
+def test_vulkan_limits_are_checked_before_running(vulkan_bundle, monkeypatch):
+    """On llvmpipe's own limits the bundle opens with the config's whole context. On a device that
+    reports a binding limit below the bundle's largest tensor, `k3c run` is one error line before
+    anything runs. (A limit that bounds the context instead: test_device_limits.py; at k3-tiny's
+    sizes the largest fixed tensor already holds the MLA caches of more than 4096 tokens.)"""
+    from click.testing import CliRunner
+
+    from k3c.cli import main
+    from k3c.compiler.device_limits import DeviceLimits
+    from k3c.runtimes import session as session_module
+    from k3c.runtimes.device_fit import footprint
+
+    s = session_module.Session(vulkan_bundle)
+    assert (s.max_context, s.context_limit) == (4096, "")
+    largest = max(size for _, size in footprint(vulkan_bundle.manifest).tensors)
+    monkeypatch.setattr(session_module, "limits_of", lambda name: DeviceLimits("a small device", largest - 1, 2**31, 2**31))
+    result = CliRunner().invoke(main, ["run", str(vulkan_bundle.root), "--prompt-ids", "1,2,3"])
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith("error: device: ") and "over the maxStorageBufferRange of 'a small device'" \
+        in result.output
 
 
 @pytest.mark.parametrize("target, magic", [("cuda:sm_80", b"cuda-nvptx-fb"), ("rocm:gfx942", b"rocm-hsaco-fb")])
