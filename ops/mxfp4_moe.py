@@ -18,10 +18,14 @@ Inside the FFN the MXFP4 matrices are dequantised by ``dequantize``: one element
 which IREE compiles to one dispatch (mxfp4.dequantize's interleaving of the two nibbles becomes a
 strided copy; with it the gather form that came before was ~3x slower per weight). On llvm-cpu the
 decode form instead multiplies the packed weights as they are (``decode_streamed``, mxfp4_gemv.py): a
-decode step reads each picked matrix once, 0.53 bytes per weight. On the CPU levels x86-64-v3
-and -v4 the prefill FFN is ``tiled_expert`` (``prefill_tiled``): each matrix dequantised once per expert by integer
-ops into the layout of a ``linalg.mmt4d`` on the level's tiles (templates/mxfp4_expert_tiled.mlir),
-which IREE runs faster than its default matmul of a dynamic row count.
+decode step reads each picked matrix once, 0.53 bytes per weight. ``tiled_expert``
+(``prefill_tiled``) is a faster prefill FFN for the CPU levels x86-64-v3 and -v4: each matrix
+dequantised once per expert by integer ops into the layout of a ``linalg.mmt4d`` on the level's
+tiles (templates/mxfp4_expert_tiled.mlir). Only programs over several devices take it: in a
+one-device model under IREE 3.13's local-task driver it gives wrong results in ``extend``,
+depending on what ran before (docs/pipeline.md §6, tests/test_e2e.py
+``test_extend_pieces_of_every_length_match_eager``); there the CPU levels prefill with
+``prefill_dequantized``.
 
 A pair (token, slot) whose expert lies outside [0, E) adds nothing: on a program over several
 devices each device holds a contiguous range of the experts and gets the pairs with their expert
@@ -298,7 +302,7 @@ class MoeLowering:
 
 def _native(level: str) -> str:
     return (f"MXFP4 decode streams the packed weights through the native kernel for {level} (f16 nibble decode, "
-            f"16 lanes per row, where it does not build); prefill on {TILE[level]}x{TILE[level]} mmt4d tiles")
+            f"16 lanes per row, where it does not build)")
 
 
 # lowering key -> (decode's nibble decode, prefill's tile, what it is)
@@ -308,9 +312,17 @@ FORMS = {
     **{f"cpu:{level}": (f"native:{level}", TILE[level], _native(level)) for level in TILE},
 }
 
+
+def _prefill(tile: int | None) -> str:
+    return f"; prefill on {tile}x{tile} mmt4d tiles" if tile else "; prefill dequantises each expert once"
+
+
+# One device never takes the tiled prefill (module docstring). A program over several devices keeps
+# it: with the dequantised prefill, k3-tiny over 2 devices at x86-64-v4 is wrong from its prefill
+# (docs/pipeline.md §6).
 MXFP4_MOE = CustomOp(
     "mxfp4_moe",
-    {key: Lowering(MoeLowering(nibbles, tile), doc) for key, (nibbles, tile, doc) in FORMS.items()},
+    {key: Lowering(MoeLowering(nibbles, None), doc + _prefill(None)) for key, (nibbles, tile, doc) in FORMS.items()},
     sharded={key: Lowering(MoeLowering(nibbles, tile, ranged=True),
-                           f"one device's range of the experts, pairs of other devices' experts skipped; {doc}")
+                           f"one device's range of the experts, pairs of other devices' experts skipped; {doc}{_prefill(tile)}")
              for key, (nibbles, tile, doc) in FORMS.items()})
