@@ -484,6 +484,24 @@ def run(bundle, prompt, prompt_ids, chat, system, max_new_tokens, temperature, t
 
 @main.command()
 @click.argument("bundle", type=click.Path(file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback unless told).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", default=None, envvar="K3C_API_KEY",
+              help="Answer /v1/ requests only with 'Authorization: Bearer KEY' (or $K3C_API_KEY).")
+@click.option("--model", "model_name", default=None, help="The model name clients use (default: the bundle's directory name).")
+@click.option("--max-active", default=8, show_default=True, type=click.IntRange(1),
+              help="Sequences that take turns on the device.")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0),
+              help="Requests that may wait for a place; more get 429.")
+def serve(bundle, host, port, api_key, model_name, max_active, max_queue):
+    """Serve a bundle over OpenAI's HTTP API: /v1/chat/completions, /v1/completions, /v1/models,
+    /health and /metrics."""
+    from .interface.serve import serve as serve_bundle
+    serve_bundle(bundle, host, port, api_key, model_name, max_active, max_queue, log=lambda m: click.echo(m, err=True))
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(file_okay=False))
 @click.option("--system", default=None, callback=utf8_text, help="System message.")
 @generation_options(256)
 def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, seed, stop):
