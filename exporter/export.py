@@ -75,7 +75,7 @@ class Program(nn.Module):
         super().__init__()
         self.bodies = bodies or {}   # body key -> LayerBody (``layer_bodies``): what the placeholders run eagerly
         cfg = self.cfg = model.cfg
-        self.mode, self.slots, self.places = mode, model.slots, place(cfg)
+        self.mode, self.slots, self.places, self.devices = mode, model.slots, place(cfg), devices
         self.model = nn.Module()
         for name in ("embed_tokens", "norm", "output_attn_res_proj", "output_attn_res_norm"):
             if hasattr(model.model, name):

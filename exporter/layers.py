@@ -241,7 +241,8 @@ class RunBody(nn.Module):
     host from k, so the same code serves every iteration: the model layer i, its index j in the
     group and its state slot are affine in k; the bank row n and whether the layer closes a block
     follow from i and the AttnRes block size. Nothing is read back from the device to index the
-    state (docs/pipeline.md §5: such reads inside a loop came back wrong on Vulkan). The carry is
+    state (docs/pipeline.md §5: such reads inside a loop came back wrong on Vulkan), except in a
+    program over several devices, which has no loop (``forward``). The carry is
     (E, p, *new state stacks[, hidden]); ``given`` are the state stacks the entry point received
     (none in prefill). New state is written into its stack at the layer's slot (for MLA the cache
     rows of the T tokens: the entry point appends them to the given caches at the end)."""
@@ -256,6 +257,7 @@ class RunBody(nn.Module):
                                    f"layer run {run}: a layer's index in its group")
         self.slot0, self.dslot = _affine([[program.slots[i] for i in ls] for ls in layers],
                                          f"layer run {run}: a layer's state slot")
+        self.table = [[[*self.bank_position(i), program.slots[i], i] for i in ls] for ls in layers]
 
     def bank_position(self, i):
         """(n, close) of model layer i: its bank row, sum(closes_block(l) for l < i), and whether it
@@ -273,17 +275,26 @@ class RunBody(nn.Module):
         new = dict(zip(names, tensors[2:2 + len(names)]))
         hidden = tensors[2 + len(names)] if program.mode == "prefill" else None
         given = dict(zip(names, tensors[2 + len(names) + (hidden is not None):]))
-        iteration = _bounded(k.item(), self.run.count)   # k is the loop's counter, made on the host
+        # a run of one iteration is called once, outside any loop: its positions are constants
+        iteration = 0 if self.run.count == 1 else _bounded(k.item(), self.run.count)   # the loop's counter
+        # each layer's row [n, close, slot, i], gathered at row k of a table on k's device: the
+        # bodies take (n, close) from it as a tensor. A program over several devices also reads
+        # n, slot and i from it (every layer of it is written out): with them computed on the host,
+        # k3-tiny over 2 CPU devices computed wrong logits from its prefill (not explained yet)
+        rows = torch.tensor(self.table, dtype=torch.int32).to(k.device).index_select(0, k).squeeze(0)
         D = p.shape[-1]
         for o, layer in enumerate(self.run.layers(0)):
-            i = _bounded(layer + iteration * self.run.period, cfg.num_hidden_layers)
             j = self.j0[o] + iteration * self.dj[o]
-            slot = _bounded(self.slot0[o] + iteration * self.dslot[o], program.slots_of[cfg.layer_kinds[layer]])
-            n, close = self.bank_position(i)
-            n = _bounded(n, E.shape[0])
-            at = torch.cat([torch.full((1,), v, dtype=torch.int32, device=E.device) for v in (n, close)])
-            E = _put(E, p, n)
             kind = cfg.layer_kinds[layer]
+            sizes = (E.shape[0], program.slots_of[kind], cfg.num_hidden_layers)
+            if program.devices > 1:
+                n, slot, i = (_bounded(rows[o, c].item(), size) for c, size in zip((0, 2, 3), sizes))
+            else:
+                i = _bounded(layer + iteration * self.run.period, cfg.num_hidden_layers)
+                slot = _bounded(self.slot0[o] + iteration * self.dslot[o], sizes[1])
+                n = _bounded(self.bank_position(i)[0], sizes[0])
+            at = rows[o, :2]
+            E = _put(E, p, n)
             body = program.body(program.places[layer][0], kind)
             if kind == "kda":
                 conv, S = ((given[s].select(0, slot) if given else torch.zeros_like(new[s][0]))
