@@ -44,7 +44,10 @@ def test_operand_types_come_from_the_ir():
 
 
 def test_each_op_names_its_lowering_per_target():
+    import dataclasses
+
     from k3c.compiler.targets import parse_target
+    from k3c.ops.mxfp4_moe import MXFP4_MOE
 
     names = ("cpu", "cpu:x86-64", "cpu:x86-64-v3", "cpu:x86-64-v4", "vulkan:llvmpipe", "cuda")
     docs = {op.name: {t: op.lowering(parse_target(t)).doc for t in names} for op in OPS}
@@ -52,7 +55,12 @@ def test_each_op_names_its_lowering_per_target():
     for op in ("mxfp4_moe", "linear"):
         assert docs[op]["cpu"] == docs[op][f"cpu:{here}"]
         assert len({docs[op][t] for t in names[1:4]}) == 3, docs[op]   # each level its own
-        assert "8x8" in docs[op]["cpu:x86-64-v3"] and "16x16" in docs[op]["cpu:x86-64-v4"]
+    assert "8x8" in docs["linear"]["cpu:x86-64-v3"] and "16x16" in docs["linear"]["cpu:x86-64-v4"]
+    assert "x86-64-v3" in docs["mxfp4_moe"]["cpu:x86-64-v3"] and "x86-64-v4" in docs["mxfp4_moe"]["cpu:x86-64-v4"]
+    # one device prefills the experts dequantised; several devices on the level's tiles (ops/mxfp4_moe.py)
+    assert all("prefill dequantises" in docs["mxfp4_moe"][t] for t in names[2:4])
+    two = {t: MXFP4_MOE.lowering(dataclasses.replace(parse_target(t), devices=2)).doc for t in names[2:4]}
+    assert "8x8 mmt4d" in two["cpu:x86-64-v3"] and "16x16 mmt4d" in two["cpu:x86-64-v4"]
     assert docs["mxfp4_moe"]["cpu:x86-64"] != docs["mxfp4_moe"]["cuda"]
     assert docs["kda_chunk"]["cpu"] == docs["kda_chunk"]["cpu:x86-64"] != docs["kda_chunk"]["vulkan:llvmpipe"]
     assert docs["kda_step"]["vulkan:llvmpipe"] != docs["kda_step"]["cuda"]
