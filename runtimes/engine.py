@@ -11,7 +11,6 @@ sampler. Every IREE call happens on the worker thread.
 """
 from __future__ import annotations
 
-import itertools
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -54,7 +53,6 @@ class Request:
 @dataclass
 class Sequence:
     request: Request
-    id: int
     stream: TextStream
     pieces: deque                                   # prompt pieces still to feed
     state: tuple | None = None
@@ -77,7 +75,6 @@ class Engine:
         self.max_active, self.max_queue = max_active, max_queue
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
-        self._ids = itertools.count()
         self._wake = threading.Condition()
         self._stopped = False
         self._worker = threading.Thread(target=self._run, name="k3c-engine", daemon=True)
@@ -94,7 +91,7 @@ class Engine:
         self.session.check_ids(list(request.logit_bias))
         max_prompt = self.session.bundle.manifest.max_prompt
         pieces = deque([ids[:max_prompt]] + (extend_pieces(ids[max_prompt:], max_prompt) if ids.size > max_prompt else []))
-        seq = Sequence(request, next(self._ids), TextStream(self.tokenizer, request.stops), pieces)
+        seq = Sequence(request, TextStream(self.tokenizer, request.stops), pieces)
         with self._wake:
             if len(self.waiting) + len(self.active) >= self.max_active + self.max_queue:
                 raise QueueFull(f"the server is full: {len(self.active)} sequences run and "
@@ -150,8 +147,7 @@ class Engine:
                 piece = seq.pieces.popleft()
                 logits = (s.prefill(piece, last_only=True)[0] if seq.state is None else s.extend(piece, True))[-1]
                 if seq.pieces:
-                    seq.state, seq.position = s.state, s.position
-                    return False
+                    return False        # its state is kept below
             else:
                 logits = s.decode(seq.ids[-1])
         except K3Error as e:
