@@ -7,6 +7,7 @@ scope ``model``), so the module and the weights stay separate files.
 from __future__ import annotations
 
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -66,6 +67,40 @@ def extend_pieces(ids: np.ndarray, max_prompt: int) -> list[np.ndarray]:
     return np.array_split(ids, -(-ids.size // max_prompt))
 
 
+# IREE 3.13's Vulkan queue sometimes signals a timeline semaphore from the host past a signal the
+# device has yet to make (VUID-VkSemaphoreSignalInfo-value-03259), which Mesa's llvmpipe reports as
+# a lost device; in k3c it has only been seen while the parameters load (docs/pipeline.md §4).
+VULKAN_LOAD_TRIES = 3
+
+
+def open_config(manifest_target: dict, target: Target, driver: str | None, fresh: bool = False) -> rt.Config:
+    """A runtime configuration: the bundle's driver, or ``driver`` for a one-device bundle, on the
+    process's cached device, or with ``fresh`` on a new one (a lost device stays lost, and cached);
+    a program over several devices gets one HAL module over all of them, its arguments on the
+    first."""
+    try:
+        if target.devices == 1:
+            return rt.Config(device=rt.get_device(driver or manifest_target["driver"], cache=not fresh))
+        found = open_devices(MULTI_DEVICE_DRIVER.get(target.driver, target.driver), target.devices)
+        config = rt.Config(device=found[0])
+        config.default_vm_modules = (rt.create_hal_module(config.vm_instance, devices=found),)
+        return config
+    except (RuntimeError, ValueError) as e:
+        raise K3Error(f"run: cannot open IREE driver {manifest_target['driver']!r} for {manifest_target['name']}: "
+                      f"{e}") from None
+
+
+def load_bundle(config: rt.Config, bundle: Bundle) -> tuple[rt.SystemContext, rt.VmModule]:
+    """The bundle's module in a context on ``config``'s device, its parameters (scope ``model``)
+    read from the bundle's archives; the initializer loading them runs here."""
+    index = rt.ParameterIndex()
+    for f in bundle.parameter_files:
+        index.load(str(f))
+    params = rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope="model"))
+    module = rt.VmModule.copy_buffer(config.vm_instance, bundle.module_path.read_bytes())
+    return load(config, params, module), module
+
+
 class Session:
     def __init__(self, bundle: Bundle, driver: str | None = None):
         """``driver``: another IREE driver for a one-device bundle's device (the bench runs a
@@ -81,25 +116,17 @@ class Session:
         if limits is not None:
             self.max_context, self.context_limit = fit(m, limits, str(bundle.root))
         keep_freed_heap()
-        try:
-            if target.devices == 1:
-                self.config = rt.Config(driver or m.target["driver"])
-            else:   # README "Past one device": one HAL module over the N devices, arguments on the first
-                found = open_devices(MULTI_DEVICE_DRIVER.get(target.driver, target.driver), target.devices)
-                self.config = rt.Config(device=found[0])
-                self.config.default_vm_modules = (rt.create_hal_module(self.config.vm_instance, devices=found),)
-        except (RuntimeError, ValueError) as e:
-            raise K3Error(f"run: cannot open IREE driver {m.target['driver']!r} for {m.target['name']}: {e}") from None
-        index = rt.ParameterIndex()
-        for f in bundle.parameter_files:
-            index.load(str(f))
-        params = rt.create_io_parameters_module(self.config.vm_instance, index.create_provider(scope="model"))
-        module = rt.VmModule.copy_buffer(self.config.vm_instance, bundle.module_path.read_bytes())
-        try:
-            context = load(self.config, params, module)
-        except (RuntimeError, ValueError) as e:
-            raise K3Error(f"run: the module in {bundle.root} does not load with its parameters: "
-                          f"{iree_error_line(e)}") from None
+        for attempt in range(1, VULKAN_LOAD_TRIES + 1):
+            self.config = open_config(m.target, target, driver, fresh=attempt > 1)
+            try:
+                context, module = load_bundle(self.config, bundle)
+                break
+            except (RuntimeError, ValueError) as e:
+                if not (target.driver == "vulkan" and "DATA_LOSS" in str(e) and attempt < VULKAN_LOAD_TRIES):
+                    raise K3Error(f"run: the module in {bundle.root} does not load with its parameters: "
+                                  f"{iree_error_line(e)}") from None
+                print("warning: the Vulkan device was lost while loading the parameters (a race in IREE "
+                      "3.13's Vulkan queue, docs/pipeline.md §4); loading again on a new device", file=sys.stderr)
         self.device = self.config.device
         self._context, self._module_name = context, module.name
         self.call = {name: DeviceFunction(context, module.name, name) for name in ("prefill", "extend", "decode")
