@@ -130,7 +130,7 @@ def validate(bundle: Bundle, per_layer: bool = False) -> tuple[list[StepResult],
     ref = load_reference(bundle)
     tol = TOLERANCE[bundle.manifest.target["backend"]]
     session = Session(bundle)
-    logits, hidden = session.prefill(ref["prompt_ids"])
+    logits, hidden = session.prefill(ref["prompt_ids"], hidden=True)
     steps = [compare("prefill", logits, ref["prefill_logits"], tol)]
     bad_layers = [i for i, h in enumerate(hidden) if not np.isfinite(h).all()]
     steps[0].non_finite_layer = bad_layers[0] if bad_layers else None

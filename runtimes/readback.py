@@ -51,17 +51,20 @@ def load(config: rt.Config, *modules: rt.VmModule) -> rt.SystemContext:
     return rt.SystemContext(vm_modules=list(modules), config=config)
 
 
-def read_back(device: rt.HalDevice, view: rt.HalBufferView) -> np.ndarray:
-    """A host copy of a result. Mapped directly when the device made it host visible; otherwise
-    copied into a staging buffer the device allocates itself (Vulkan refuses to import numpy
-    memory that is not page aligned, which importing it to copy into would need)."""
+def read_back(device: rt.HalDevice, view: rt.HalBufferView, last: bool = False) -> np.ndarray:
+    """A host copy of a result (with ``last``, of its last row along axis -2 only: a prompt's last
+    logits). Mapped directly when the device made it host visible, and then only what is kept is
+    copied; otherwise copied whole into a staging buffer the device allocates itself (Vulkan refuses
+    to import numpy memory that is not page aligned, which importing it to copy into would need)."""
     dtype = rt.HalElementType.map_to_dtype(view.element_type)
     source = view.get_buffer()
     host_visible = int(rt.MemoryType.HOST_VISIBLE)
     mappable = int(rt.BufferUsage.MAPPING_SCOPED)
     if source.memory_type() & host_visible == host_visible and source.allowed_usage() & mappable == mappable:
-        return np.array(view.map().asarray(view.shape, dtype))
-    return staged_copy(device, view)
+        mapped = view.map().asarray(view.shape, dtype)
+        return np.array(mapped[..., -1:, :] if last else mapped)
+    whole = staged_copy(device, view)
+    return np.ascontiguousarray(whole[..., -1:, :]) if last else whole
 
 
 def staged_copy(device: rt.HalDevice, view: rt.HalBufferView) -> np.ndarray:

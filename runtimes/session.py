@@ -144,8 +144,9 @@ class Session:
             self.call[name] = DeviceFunction(self._context, self._module_name, name)
         return [self.host(v) for v in self.call[name](*inputs)]
 
-    def host(self, view: rt.HalBufferView) -> np.ndarray:
-        return read_back(self.device, view)
+    def host(self, view: rt.HalBufferView, last: bool = False) -> np.ndarray:
+        """``view`` on the host; with ``last``, of the last position only (axis -2)."""
+        return read_back(self.device, view, last)
 
     def check_ids(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -154,24 +155,25 @@ class Session:
             raise K3Error(f"run: token id {int(bad[0])} is out of range for vocab_size {self.vocab}")
         return ids
 
-    def prefill(self, prompt_ids, last_only: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    def prefill(self, prompt_ids, last_only: bool = False,
+                hidden: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
         """Start a sequence with the prompt: logits [T, vocab] on the host (with ``last_only``, of the
-        last position only, [1, vocab]: the other pieces' logits are not read back), and the per-layer
-        hidden states [layers, T, D] when the prompt fits the ``prefill`` entry point (at most the
-        bundle's max_prompt tokens; None otherwise). A longer prompt is prefilled in pieces of
-        max_prompt, the first by ``prefill``, the others by ``extend`` from the state the piece before
-        left."""
+        last position only, [1, vocab]: the other pieces' logits are not read back), and with
+        ``hidden`` the per-layer hidden states [layers, T, D] when the prompt fits the ``prefill``
+        entry point (at most the bundle's max_prompt tokens; None otherwise: for the full K3 at 4,096
+        tokens they are 11 GB, so nothing reads them back unless asked). A longer prompt is
+        prefilled in pieces of max_prompt, the first by ``prefill``, the others by ``extend`` from
+        the state the piece before left."""
         ids = self.check_ids(prompt_ids)
         if ids.size == 0:
             raise K3Error("run: the prompt is empty")
         self.state, self.position = None, 0
         self._check_room(ids.size)
         first = ids[:self.bundle.manifest.max_prompt]
-        logits, hidden, *self.state = self.call["prefill"](first[None])
+        logits, states, *self.state = self.call["prefill"](first[None])
         self.position = first.size
         if first.size == ids.size:
-            logits = self.host(logits)[0]
-            return (logits[-1:] if last_only else logits), self.host(hidden)[:, 0]
+            return self.host(logits, last_only)[0], (self.host(states)[:, 0] if hidden else None)
         rest = self.extend(ids[first.size:], last_only)
         return (rest if last_only else np.concatenate([self.host(logits)[0], rest])), None
 
@@ -195,8 +197,8 @@ class Session:
             logits, *self.state = self.call["extend"](piece[None], *self.state)
             self.position += piece.size
             if not last_only or i == len(pieces) - 1:
-                out.append(self.host(logits)[0])
-        return out[0][-1:] if last_only else np.concatenate(out)
+                out.append(self.host(logits, last_only)[0])
+        return out[0] if last_only else np.concatenate(out)
 
     def _check_room(self, n: int) -> None:
         why = f" on this device: {self.context_limit}" if self.context_limit else ""

@@ -189,7 +189,7 @@ def test_per_layer_names_the_layer_a_fault_starts_in(tiny_bundle):
     from k3c.interface.validate import first_divergent, layer_errors
 
     prompt = np.load(tiny_bundle.reference_path)["prompt_ids"]
-    _, hidden = Session(tiny_bundle).prefill(prompt)
+    _, hidden = Session(tiny_bundle).prefill(prompt, hidden=True)
     assert first_divergent(layer_errors(tiny_bundle, prompt, hidden), VALIDATE_TOLERANCE["llvm-cpu"]) is None
     hidden[3:] += 1e-3
     bad = first_divergent(layer_errors(tiny_bundle, prompt, hidden), VALIDATE_TOLERANCE["llvm-cpu"])

@@ -78,7 +78,7 @@ def test_prompt_10x_max_prompt_matches_one_eager_prefill(kimi_bundle, eager):
     TOL of one eager prefill of the whole prompt, and the same greedy continuation."""
     prompt = torch.randint(0, 512, (10 * MAX_PROMPT,), generator=torch.Generator().manual_seed(11))
     session = Session(kimi_bundle)
-    logits, hidden = session.prefill(prompt.numpy())
+    logits, hidden = session.prefill(prompt.numpy(), hidden=True)
     assert hidden is None and session.position == prompt.numel()
     with torch.no_grad():
         ref = eager.prefill(prompt[None])[0][0].numpy()
