@@ -32,7 +32,8 @@ class DeviceFunction:
         self.function = context.modules[module].vm_module.lookup_function(name)
         self._vm_context = context.vm_context
 
-    def __call__(self, *args) -> list[rt.HalBufferView]:
+    def __call__(self, *args, at: str = "") -> list[rt.HalBufferView]:
+        """``at``: where in the sequence the call is (for the error line), e.g. "tokens 0-9"."""
         inputs = rt.VmVariantList(len(args))
         for a in args:
             inputs.push_ref(a if isinstance(a, rt.HalBufferView) else to_device(self.device, a))
@@ -42,7 +43,8 @@ class DeviceFunction:
         except (RuntimeError, ValueError) as e:   # the runtime raises ValueError for INVALID_ARGUMENT
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             why = (lines[0] if lines else type(e).__name__).removeprefix("Error invoking function: ")
-            raise K3Error(f"run: {self.name} failed on the device: {why[:300]}") from None
+            where = f" at {at}" if at else ""
+            raise K3Error(f"run: {self.name}{where} failed on the device: {why[:300]}") from None
         return [outputs.get_as_object(i, rt.HalBufferView) for i in range(len(outputs))]
 
 

@@ -170,7 +170,7 @@ class Session:
         self.state, self.position = None, 0
         self._check_room(ids.size)
         first = ids[:self.bundle.manifest.max_prompt]
-        logits, states, *self.state = self.call["prefill"](first[None])
+        logits, states, *self.state = self.call["prefill"](first[None], at=f"tokens 0-{first.size - 1}")
         self.position = first.size
         if first.size == ids.size:
             return self.host(logits, last_only)[0], (self.host(states)[:, 0] if hidden else None)
@@ -194,7 +194,8 @@ class Session:
         pieces = extend_pieces(ids, self.bundle.manifest.max_prompt)
         out = []
         for i, piece in enumerate(pieces):
-            logits, *self.state = self.call["extend"](piece[None], *self.state)
+            logits, *self.state = self.call["extend"](
+                piece[None], *self.state, at=f"tokens {self.position}-{self.position + piece.size - 1}")
             self.position += piece.size
             if not last_only or i == len(pieces) - 1:
                 out.append(self.host(logits, last_only)[0])
@@ -216,7 +217,7 @@ class Session:
             raise K3Error(f"run: the context is full: it holds {self.max_context} tokens (prompt and generated)"
                           + (f" on this device: {self.context_limit}" if self.context_limit else ""))
         ids = self.check_ids([token])
-        logits, *self.state = self.call["decode"](ids[None], *self.state)
+        logits, *self.state = self.call["decode"](ids[None], *self.state, at=f"token {self.position}")
         self.position += 1
         return self.host(logits)[0, -1]
 

@@ -278,7 +278,7 @@ def test_added_token_ids_are_read_as_the_file_gives_them(tok_dir, added_id, word
                 "while calling import; \n[ 1] bytecode module@16:87382 -\n[ 0] bytecode module@17:77 -"),
      "prefill", "INVALID_ARGUMENT; while invoking native function hal.device.queue.dealloca; while calling import;"),
 ], ids=["assertion", "invalid-argument"])
-def test_a_failure_on_the_device_is_one_error_naming_the_function(error, name, line):
+def test_a_failure_on_the_device_is_one_error_naming_the_function_and_step(error, name, line):
     """What IREE raises when a program's runtime assertion fails, the device is lost or a queue
     operation is refused (a RuntimeError or a ValueError, by status): one line."""
     from k3c.runtimes.readback import DeviceFunction
@@ -292,3 +292,6 @@ def test_a_failure_on_the_device_is_one_error_naming_the_function(error, name, l
     with pytest.raises(K3Error) as e:
         call()
     assert str(e.value) == f"run: {name} failed on the device: {line}"
+    with pytest.raises(K3Error) as e:
+        call(at="token 12")
+    assert str(e.value) == f"run: {name} at token 12 failed on the device: {line}"
