@@ -72,7 +72,6 @@ def test_vulkan_limits_are_checked_before_running(vulkan_bundle, monkeypatch):
         in result.output
 
 
-
 def losing_the_device(session_module, monkeypatch, times: int) -> list:
     """``load_bundle`` failing ``times`` times as IREE's Vulkan queue race fails it (a lost device,
     DATA_LOSS from the initializer's fence), then loading for real; the devices it was given."""
@@ -115,6 +114,7 @@ def test_a_cpu_device_is_not_loaded_again(tiny_bundle, monkeypatch):
     with pytest.raises(K3Error, match="does not load with its parameters: DATA_LOSS"):
         session_module.Session(tiny_bundle)
     assert len(given) == 1
+
 
 @pytest.mark.parametrize("target, magic", [("cuda:sm_80", b"cuda-nvptx-fb"), ("rocm:gfx942", b"rocm-hsaco-fb")])
 def test_k3_tiny_compiles_for_gpu(target, magic, tiny_bundle, k3c_cache, tmp_path, monkeypatch):
