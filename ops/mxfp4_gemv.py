@@ -10,11 +10,12 @@ Three forms, by ``decode``:
 - ``native:<level>`` (the CPU levels x86-64-v3 and x86-64-v4, where kernels/mxfp4_rows.c builds
   for the level: a C compiler here, every input width a multiple of 128; else ``f16``): one
   dispatch calling the C kernel, linked in as an object (native.py, templates/mxfp4_native_gemv.mlir).
-  It reads 64 bytes of a row as 16 dwords and decodes each of their 8 nibbles with one shift and
-  a ``vpermps`` table lookup (AVX-512: the 16 E2M1 values in one register; AVX2: the 8 magnitudes,
-  the sign bit moved in by a shift): the instruction IREE 3.13 cannot emit from a table lookup (a
-  ``tensor.extract`` from a constant table is scalarised). The activation is permuted once per call
-  to ``xt[c, n, l] = x[128c + 8l + n]`` (templates/mxfp4_native_split.mlir).
+  Its variants decode with a table lookup, the instruction IREE 3.13 cannot emit from one (a
+  ``tensor.extract`` from a constant table is scalarised): AVX-512 a ``vpermps`` from the 16 E2M1
+  values in one register, 16 weights per lookup; AVX2 (whose ``vpermps`` holds 8 values and
+  runs on one port of Zen 3) two ``vpshufb`` giving the upper two bytes of each weight's f32, 32
+  weights per lookup (docs/pipeline.md §3 has the measurements). The activation is permuted once per
+  call into the order the variant multiplies it (``NATIVE_ORDER``, templates/mxfp4_native_split.mlir).
 - ``f16`` and ``int``: one ``linalg.generic`` keeps 16 partial sums per row, one per byte position
   j of a block, and reduces over the blocks b; a second sums the 16. The vector lanes sit on j, a
   parallel dim, so the loop over b needs no horizontal sum per step (with the lanes on the
@@ -48,12 +49,21 @@ overflows there.
 """
 from __future__ import annotations
 
+import math
+
 from . import native
 from .mlir import render, standalone
 
 LANES = 16                       # bytes of a 32-element block = partial sums per row
 FOLDS = {"f16": 16384.0, "int": 1.0}   # per nibble decode, the factor the activation carries (f16: 2^14)
 NATIVE_ROWS = 64                 # rows per workgroup of the native kernel
+# Per level, the order in which its variant of kernels/mxfp4_rows.c multiplies a chunk's 128
+# activations: the radices of the digits of a weight's index in its chunk (most significant first),
+# then those digits in the order of the weight's position in xt's [8, 16] (most significant first).
+#   x86-64-v4: weight 8l + n (dword l, nibble n) at xt position 16n + l
+#   x86-64-v3: weight 64h + 32b + 16q + 4d + 2r1 + r0 at 64h + 32r0 + 16q + 8r1 + 4b + d
+NATIVE_ORDER = {"x86-64-v4": ((16, 8), (1, 0)),
+                "x86-64-v3": ((2, 2, 2, 4, 2, 2), (0, 5, 2, 4, 1, 3))}
 
 
 def native_object(in_dims: tuple[int, ...], level: str) -> str | None:
@@ -88,7 +98,14 @@ def gemv(name: str, experts: int, out_dim: int, in_dim: int, decode: str) -> str
 def split(name: str, width: int, decode: str) -> str:
     """``func @name(x [1, width]) -> activation`` (templates/mxfp4_split.mlir, mxfp4_native_split.mlir)."""
     if decode.startswith("native:"):
-        return render("mxfp4_native_split.mlir", name=name, width=width)
+        radices, order = NATIVE_ORDER[decode.partition(":")[2]]
+        dims = [width // 128, *radices]
+        perm = [0, *(1 + i for i in order)]
+        rows = next(n for n in range(1, len(order) + 1) if math.prod(radices[i] for i in order[:n]) == 8)
+        groups = (f"[[0], [{', '.join(map(str, range(1, rows + 1)))}], "
+                  f"[{', '.join(map(str, range(rows + 1, len(perm))))}]]")
+        return render("mxfp4_native_split.mlir", name=name, width=width, dims=dims, perm=perm,
+                      permuted=[dims[p] for p in perm], groups=groups)
     return render("mxfp4_split.mlir", name=name, width=width, B=width // 32, LANES=LANES, fold=FOLDS[decode])
 
 

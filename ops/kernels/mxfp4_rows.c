@@ -2,26 +2,28 @@
    the level with -march=<level>, ops/mxfp4_gemv.py calls it; docs/model.md §5): rows [o0, o1) of
    y = W x for one workgroup, W expert e's matrix in the checkpoint's MXFP4 layout.
 
-     y[o] = sum_c sum_l 2^(S[o, 4c + l/4] - 127) * sum_n E2M1[nibble n of dword l of chunk c of row o] * xt[c, n, l]
+     y[o] = sum_blocks 2^(S[o, block] - 127) * sum_(i in block) E2M1[code i of row o] * x[i]
 
    P [rows, in/2] u8 is `weight_packed` (element 2j in the low nibble of byte j), read as chunks of
-   64 bytes = 16 dwords = 128 weights: dword l of chunk c holds weights 128c + 8l + n, n = 0..7, in
-   its nibbles from the lowest. S [rows, in/32] u8 holds the E8M0 block scales; a block (32 weights)
-   is 4 dwords. xt [in/128, 8, 16] f32 is the activation permuted once per call:
-   xt[c, n, l] = x[128c + 8l + n].
+   64 bytes = 128 weights = 4 blocks of 32; S [rows, in/32] u8 holds the E8M0 block scales. Each
+   lane of a vector sums the products of 8 weights of one block, then the lane's block scale
+   multiplies that sum (a block's products are summed before its scale multiplies them). xt
+   [in/128, 8, 16] f32 is the activation permuted once per call (templates/mxfp4_native_split.mlir)
+   so that the 8 activations a vector multiplies are contiguous; the permutation is the variant's:
 
-   Per chunk each nibble position n is shifted to the bottom of its dword and decoded by a table
-   lookup with vpermps, which reads the low bits of each lane's index:
-     AVX-512F  one vpermps from the 16 E2M1 values held in a 512-bit register (4 index bits), the
-               16 lanes of a chunk at once;
-     AVX2      one vpermps from the 8 magnitudes in a 256-bit register (3 index bits), the code's
-               sign bit (bit 3 of the nibble) shifted to bit 31 and xor-ed in; a chunk as two
-               halves of 8 lanes.
-   The 8 products of a lane are summed, then multiplied by the lane's block scale (a block's products
-   are summed before its scale multiplies them). The scale 2^(s - 127) is the f32 with bits s << 23,
-   or-ed with 0x400000 (a NaN) where s = 255, where (s + 1) >> 8 is 1; s = 0 gives +0 (IREE's CPU
-   workers flush the subnormal 2^-127 anyway). Both variants compute every product exactly and add
-   in the same order within a lane. Freestanding: no libc, no globals beyond read-only constants. */
+     AVX-512F  dword l of a chunk holds weights 8l + n, n = 0..7, in its nibbles from the lowest;
+               each nibble position n is shifted to the bottom of its dword and decoded by one
+               vpermps from the 16 E2M1 values held in a 512-bit register (4 index bits), the 16
+               lanes of a chunk at once. xt[c, 16n + l] = x[128c + 8l + n].
+     AVX2      (no 16-lane permute) a half chunk of 32 bytes: its low and high nibbles decoded by
+               vpshufb into the upper two bytes of each weight's f32 (half_chunk below).
+               xt[c, 64h + 32r0 + 16q + 8r1 + 4b + d] = x[128c + 64h + 32b + 16q + 4d + 2r1 + r0].
+
+   The scale 2^(s - 127) is the f32 with bits s << 23, or-ed with 0x400000 (a NaN) where s = 255,
+   where (s + 1) >> 8 is 1; s = 0 gives +0 (IREE's CPU workers flush the subnormal 2^-127 anyway).
+   Both variants compute every product exactly (an E2M1 value times an f32, rounded once) and sum
+   a lane's 8 products in two chains of 4. Freestanding: no libc, no globals beyond read-only
+   constants. */
 #include <stddef.h>
 #include <stdint.h>
 #include <immintrin.h>
@@ -88,28 +90,44 @@ static inline float row(const uint8_t* p, const uint8_t* s, const float* xt, siz
 }
 #else  /* AVX2 and FMA */
 
-/* The 8 lanes' sums over one half chunk (dwords 8h..8h+7; xc = xt + 128c + 8h): lane l adds the 8
-   products of its dword's nibbles. The magnitude comes from vpermps on the nibble's low 3 bits,
-   the sign is bit 4n + 3 of the dword moved to bit 31. */
-static inline __m256 half_chunk(const uint8_t* p, const float* xc, __m256 magnitudes) {
-  const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+/* The 8 lanes' sums over one half chunk (bytes 32h..32h+31, 64 weights, blocks 2h and 2h + 1; xc =
+   xt + 128c + 64h). The low and high nibbles of the 32 bytes are split into two vectors of codes
+   and decoded by vpshufb into the two upper bytes of each code's f32 (every E2M1 value is a bf16:
+   its low 16 bits are zero); vpunpck{l,h}bw pairs them into 16-bit words, each dword then gives two
+   f32, its high word masked and its low word shifted up. vpshufb and vpunpck stay within 128-bit
+   lanes, so lanes 0-3 hold block 2h and lanes 4-7 block 2h + 1, the lane of weight
+   64h + 32b + 16q + 4d + 2r1 + r0 being 4b + d; its activation is xc[32r0 + 16q + 8r1 + 4b + d]. */
+static inline __m256 half_chunk(const uint8_t* p, const float* xc, __m256i high_byte, __m256i low_byte) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i high_word = _mm256_set1_epi32((int)0xFFFF0000u);
   __m256i w = _mm256_loadu_si256((const __m256i*)p);
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-#define NIBBLE(n)                                                                                  \
-  {                                                                                                \
-    __m256 m = _mm256_permutevar8x32_ps(magnitudes, _mm256_srli_epi32(w, 4 * (n)));                 \
-    __m256 v = _mm256_xor_ps(m, _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(w, 28 - 4 * (n)), sign))); \
-    acc[(n) & 1] = (n) < 2 ? _mm256_mul_ps(v, _mm256_loadu_ps(xc + 16 * (n)))                       \
-                           : _mm256_fmadd_ps(v, _mm256_loadu_ps(xc + 16 * (n)), acc[(n) & 1]);      \
+  __m256i even = _mm256_and_si256(w, nibble), odd = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+  __m256i he = _mm256_shuffle_epi8(high_byte, even), le = _mm256_shuffle_epi8(low_byte, even);
+  __m256i ho = _mm256_shuffle_epi8(high_byte, odd), lo = _mm256_shuffle_epi8(low_byte, odd);
+  __m256i words[4] = {_mm256_unpacklo_epi8(le, he), _mm256_unpackhi_epi8(le, he),   /* r0 = 0, q = 0, 1 */
+                      _mm256_unpacklo_epi8(lo, ho), _mm256_unpackhi_epi8(lo, ho)};  /* r0 = 1, q = 0, 1 */
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {  /* r1 = 0 from the low word, r1 = 1 from the high word */
+    __m256 v0 = _mm256_castsi256_ps(_mm256_slli_epi32(words[i], 16));
+    __m256 v1 = _mm256_castsi256_ps(_mm256_and_si256(words[i], high_word));
+    a = i == 0 ? _mm256_mul_ps(v0, _mm256_loadu_ps(xc)) : _mm256_fmadd_ps(v0, _mm256_loadu_ps(xc + 16 * i), a);
+    b = i == 0 ? _mm256_mul_ps(v1, _mm256_loadu_ps(xc + 8)) : _mm256_fmadd_ps(v1, _mm256_loadu_ps(xc + 16 * i + 8), b);
   }
-  NIBBLE(0) NIBBLE(1) NIBBLE(2) NIBBLE(3) NIBBLE(4) NIBBLE(5) NIBBLE(6) NIBBLE(7)
-#undef NIBBLE
-  return _mm256_add_ps(acc[0], acc[1]);
+  return _mm256_add_ps(a, b);
 }
 
 /* y[o] for one row: its packed codes p, scales s, over `chunks` chunks of 128 weights. */
 static inline float row(const uint8_t* p, const uint8_t* s, const float* xt, size_t chunks) {
-  const __m256 magnitudes = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  /* bytes 3 and 2 of the f32 of each E2M1 code 0..15 (0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives),
+     once per 128-bit lane */
+#define HIGH_BYTES 0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, \
+    (char)0x80, (char)0xBF, (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0
+#define LOW_BYTES 0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80, (char)0xC0, \
+    0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80, (char)0xC0
+  const __m256i high_byte = _mm256_setr_epi8(HIGH_BYTES, HIGH_BYTES);
+  const __m256i low_byte = _mm256_setr_epi8(LOW_BYTES, LOW_BYTES);
+#undef HIGH_BYTES
+#undef LOW_BYTES
   /* lanes of half h take the scales of blocks 2h and 2h + 1 of their chunk */
   const __m256i low_blocks = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const __m256i high_blocks = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
@@ -122,9 +140,9 @@ static inline float row(const uint8_t* p, const uint8_t* s, const float* xt, siz
     __m128i nan = _mm_slli_epi32(_mm_srli_epi32(_mm_add_epi32(b, one), 8), 22);
     __m256 sc = _mm256_castps128_ps256(_mm_castsi128_ps(_mm_or_si128(_mm_slli_epi32(b, 23), nan)));
     _mm_prefetch((const char*)(p + 64 * c) + PREFETCH_AHEAD, _MM_HINT_T0);
-    even = _mm256_fmadd_ps(half_chunk(p + 64 * c, xt + 128 * c, magnitudes),
+    even = _mm256_fmadd_ps(half_chunk(p + 64 * c, xt + 128 * c, high_byte, low_byte),
                            _mm256_permutevar8x32_ps(sc, low_blocks), even);
-    odd = _mm256_fmadd_ps(half_chunk(p + 64 * c + 32, xt + 128 * c + 8, magnitudes),
+    odd = _mm256_fmadd_ps(half_chunk(p + 64 * c + 32, xt + 128 * c + 64, high_byte, low_byte),
                           _mm256_permutevar8x32_ps(sc, high_blocks), odd);
   }
   __m256 t = _mm256_add_ps(even, odd);
