@@ -634,6 +634,9 @@ def targets(validate_preset, markdown, work):
               help="Directory for the checkpoints, bundles and MLIR it builds (reused across runs).")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1),
               help="Threads for PyTorch and for IREE's workers alike.")
+@click.option("--target", default="cpu", show_default=True,
+              help="CPU target of the compiled side: cpu (this CPU) or a CPU level this CPU runs "
+                   "(cpu:x86-64, cpu:x86-64-v3, cpu:x86-64-v4; k3c targets).")
 @click.option("--compile-layers", default=None, metavar="N,N,...",
               help="Depths of the compile section at k3-small widths (default 8,32,93; the section then "
                    "compiles the full K3 for cpu and cuda:sm_80: about an hour on 2 cores).")
@@ -641,12 +644,14 @@ def targets(validate_preset, markdown, work):
               help="Write the benchmarks page (docs/benchmarks.md): of the RUNS given (JSON written by --json; "
                    "nothing is measured then), else of this run.")
 @click.argument("runs", nargs=-1, type=click.Path(dir_okay=False))
-def bench(quick, json_out, plot_out, only, work, threads, compile_layers, page_out, runs):
+def bench(quick, json_out, plot_out, only, work, threads, target, compile_layers, page_out, runs):
     """Compiled CPU modules vs PyTorch eager, and compiler costs; every judged figure is a ratio of
     measurements interleaved in this run. Prints a Markdown table of the targets; exit 0 even on misses.
     With RUNS and --markdown, only writes the page of those runs."""
     import dataclasses
     import shlex
+    from .compiler.devices import check_device
+    from .compiler.targets import parse_target
     from .interface.bench import FULL, QUICK, run_bench
     from .utils.files import write_atomic
     from .interface.bench_report import markdown, page, plot, read_runs, targets
@@ -663,8 +668,13 @@ def bench(quick, json_out, plot_out, only, work, threads, compile_layers, page_o
                 or depths != sorted(set(depths)):
             raise K3Error(f"--compile-layers: give two or more increasing depths, e.g. 4,8 (got {compile_layers})")
         sizes = dataclasses.replace(sizes, compile_layers=tuple(depths))
+    tgt = parse_target(target)
+    if tgt.backend != "llvm-cpu":
+        raise K3Error(f"bench: --target {target}: the bench compares compiled CPU modules with PyTorch on this "
+                      f"CPU; give cpu or cpu:<level>")
+    check_device(tgt)
     with spinner("bench: current step"):
-        result = run_bench(sizes, Path(work), only, threads=threads, log=log)
+        result = run_bench(sizes, Path(work), only, target=target, threads=threads, log=log)
     result["targets"] = targets(result["sections"])
     result["command"] = command
     if json_out:

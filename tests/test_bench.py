@@ -14,9 +14,20 @@ from click.testing import CliRunner
 from k3c.cli import main
 from k3c.interface.bench import QUICK
 
-pytestmark = pytest.mark.slow  # needs tiny_bundle (a whole-model compile)
+
+@pytest.mark.parametrize("target,says", [("cuda:sm_80", "give cpu or cpu:<level>"),
+                                         ("cpu:x86-64-v4", "needs CPU features this CPU lacks: avx512f")])
+def test_bench_refuses_a_target_it_cannot_run(target, says, monkeypatch, tmp_path):
+    """The compiled side runs here, beside PyTorch: a GPU target, or a CPU level this CPU lacks
+    (here an AVX2-only CPU asked for x86-64-v4), is one error line before anything is built."""
+    from k3c.compiler import cpu
+    monkeypatch.setattr(cpu, "host_features", lambda: frozenset(cpu.V3))
+    result = CliRunner().invoke(main, ["bench", "--quick", "--target", target, "--work", str(tmp_path / "work")])
+    assert result.exit_code == 1 and result.output.count("\n") == 1 and says in result.output, result.output
+    assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.slow  # needs tiny_bundle (a whole-model compile)
 def test_bench_quick_writes_json(tiny_bundle, k3c_cache, tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     result = CliRunner().invoke(main, ["bench", "--quick", "--json", str(out), "--plot", str(png),
