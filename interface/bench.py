@@ -204,14 +204,36 @@ def active_weight_bytes(cfg: K3Config) -> int:
     return f["bytes_total"] - b.get("embedding", 0) - routed + picked * routed // max(f["routed_experts"], 1)
 
 
-def bench_decode(compiled: TimedSession, model: K3Model, contexts, rounds: int, copy_bytes: int, log) -> dict:
+class Copy:
+    """The reference for the roofline figures: a large copy between two page-aligned buffers. With
+    glibc keeping freed memory in the heap (``keep_freed_heap``, as a Session does), numpy's buffers
+    come from the heap at any 16-byte offset; where the destination sits 16 bytes past the source
+    modulo 4 KiB, each load waits on a store to an address with the same low 12 bits (4K aliasing)
+    and a 512 MiB copy ran at 9 GB/s (read + write) instead of 29 (AMD EPYC, Zen 3): the reference
+    must be the machine's streaming bandwidth, not its allocator's offsets."""
+
+    def __init__(self, nbytes: int):
+        self.src, self.dst = _page_aligned(nbytes), _page_aligned(nbytes)
+        self.src.fill(1.0)
+        self.dst.fill(0.0)
+        self.nbytes = self.src.nbytes
+
+    def __call__(self) -> None:
+        np.copyto(self.dst, self.src)
+
+
+def _page_aligned(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + 4096, dtype=np.uint8)
+    start = -raw.ctypes.data % 4096
+    return raw[start:start + nbytes // 8 * 8].view(np.float64)
+
+
+def bench_decode(compiled: TimedSession, model: K3Model, contexts, rounds: int, copy: Copy, log) -> dict:
     """Compiled vs eager per token; at the first and last context (128 and 16k in the full run) also
-    a large copy in the same rounds, for the decode roofline fraction: (active weight bytes /
-    compiled time) / copy bandwidth (read + write)."""
+    the copy in the same rounds, for the decode roofline fraction: (active weight bytes / compiled
+    time) / copy bandwidth (read + write)."""
     token = np.array([[1]], dtype=np.int64)
     active = active_weight_bytes(model.cfg)
-    src = np.ones(copy_bytes // 8)
-    dst = np.empty_like(src)
     rows = []
     for n in contexts:
         state = synthetic_state(model, n - 1)
@@ -219,15 +241,15 @@ def bench_decode(compiled: TimedSession, model: K3Model, contexts, rounds: int, 
         cases = {"eager": lambda: model.decode(torch.from_numpy(token), state),
                  "compiled": lambda: compiled.decode(token, on_device)}
         if n in (contexts[0], contexts[-1]):
-            cases["copy"] = lambda: np.copyto(dst, src)
+            cases["copy"] = copy
         with torch.no_grad():
             times = interleaved(cases, rounds)
         rows.append({"context": n, "eager_ms": ms(times["eager"]), "compiled_ms": ms(times["compiled"]),
                      "speedup": ratio(times, "eager", "compiled")})
         if "copy" in times:
-            rows[-1].update(copy_GBps=2 * src.nbytes / statistics.median(times["copy"]) / 1e9,
+            rows[-1].update(copy_GBps=2 * copy.nbytes / statistics.median(times["copy"]) / 1e9,
                             weight_GBps=active / statistics.median(times["compiled"]) / 1e9,
-                            roofline_fraction=ratio(times, "copy", "compiled") * active / (2 * src.nbytes))
+                            roofline_fraction=ratio(times, "copy", "compiled") * active / (2 * copy.nbytes))
         log(f"decode at context {n}: {rows[-1]['compiled_ms']:.1f} ms compiled, {rows[-1]['eager_ms']:.1f} ms eager")
     return {"state": "synthesized random state with context - 1 cached tokens", "active_weight_bytes": active,
             "rows": rows}
@@ -309,7 +331,7 @@ def mxfp4_kernel(target: Target, L: int, I: int) -> str:
     return mxfp4_gemv.form(f"native:{target.level}", (L, I)) if target.level in TILE else "int"
 
 
-def bench_moe(cfg: K3Config, sizes: Sizes, target: Target, rounds: int, log) -> dict:
+def bench_moe(cfg: K3Config, sizes: Sizes, target: Target, rounds: int, copy: Copy, log) -> dict:
     E, k, L, I = (sizes.moe[x] for x in "EkLI")
     act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
     token, mx = bench_ops.moe_inputs(E, k, L, I)
@@ -321,20 +343,18 @@ def bench_moe(cfg: K3Config, sizes: Sizes, target: Target, rounds: int, log) -> 
     bf_dev = [rt.asdevicearray(device, w.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)) for w in bf16]
     del bf16
     y_mx, y_bf = mx_fn(*tok, *mx_dev).to_host(), bf_fn(*tok, *bf_dev).to_host()
-    src = np.ones(sizes.copy_bytes // 8)
-    dst = np.empty_like(src)
-    times = interleaved({"copy": lambda: np.copyto(dst, src), "mxfp4": lambda: mx_fn(*tok, *mx_dev).to_host(),
+    times = interleaved({"copy": copy, "mxfp4": lambda: mx_fn(*tok, *mx_dev).to_host(),
                          "bf16": lambda: bf_fn(*tok, *bf_dev).to_host()}, rounds)
     mx_bytes = k * sum(a[0].nbytes for a in mx)  # the k picked experts' packed weights and scales
     bf_bytes = k * 3 * I * L * 2
-    copy_gbs = 2 * src.nbytes / statistics.median(times["copy"]) / 1e9
+    copy_gbs = 2 * copy.nbytes / statistics.median(times["copy"]) / 1e9
     out = {"shape": sizes.moe, "mxfp4_bytes_per_token": mx_bytes, "bf16_bytes_per_token": bf_bytes,
-           "copy_bytes": src.nbytes, "copy_GBps": copy_gbs,
+           "copy_bytes": copy.nbytes, "copy_GBps": copy_gbs,
            "mxfp4_ms": ms(times["mxfp4"]), "bf16_ms": ms(times["bf16"]),
            "mxfp4_GBps": mx_bytes / statistics.median(times["mxfp4"]) / 1e9,
            "bf16_GBps": bf_bytes / statistics.median(times["bf16"]) / 1e9,
            # both against the same rounds' copy: (bytes/t_moe) / (2 * copy bytes / t_copy)
-           "mxfp4_fraction_of_copy": ratio(times, "copy", "mxfp4") * mx_bytes / (2 * src.nbytes),
+           "mxfp4_fraction_of_copy": ratio(times, "copy", "mxfp4") * mx_bytes / (2 * copy.nbytes),
            "mxfp4_over_bf16_speedup": ratio(times, "bf16", "mxfp4"),
            "mxfp4_vs_bf16_max_rel_diff": float(np.abs(y_mx - y_bf).max() / np.abs(y_bf).max())}
     out["mxfp4_kernel"] = mxfp4_kernel(target, L, I)
@@ -439,6 +459,7 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
     sections = sections or sizes.sections
     use_threads(threads)
     keep_freed_heap()   # for the compiled side, as a Session does; eager PyTorch allocates from it too
+    copy = Copy(sizes.copy_bytes) if {"decode", "moe"} & set(sections) else None
     tgt = parse_target(target)
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -458,7 +479,7 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
         t0 = time.perf_counter()
         log(f"bench {name} ...")
         if name == "decode":
-            out[name] = bench_decode(compiled, model, sizes.decode_contexts, sizes.rounds, sizes.copy_bytes, log)
+            out[name] = bench_decode(compiled, model, sizes.decode_contexts, sizes.rounds, copy, log)
         elif name == "prefill":
             out[name] = bench_prefill(compiled, model, sizes.prefill_tokens, sizes.slow_rounds, log)
         elif name == "layers":
@@ -466,7 +487,7 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
         elif name == "kda":
             out[name] = bench_kda(cfg, sizes, tgt, sizes.rounds, log)
         elif name == "moe":
-            out[name] = bench_moe(cfg, sizes, tgt, sizes.rounds, log)
+            out[name] = bench_moe(cfg, sizes, tgt, sizes.rounds, copy, log)
         elif name == "hybrid":
             mla_cfg = all_mla(cfg)
             ck = checkpoint_for(mla_cfg, work / f"{sizes.preset}-all-mla-checkpoint", 0, log)
