@@ -165,7 +165,8 @@ def page(runs: list[tuple[str, dict]], command: str, where: Path) -> str:
     and command, ``markdown``, and the run's plot where a PNG of the JSON's name lies beside it."""
     parts = [PAGE_HEAD.format(command=command)]
     for name, result in runs:
-        title = ", ".join(result["sections"])
+        m = result["machine"]
+        title = f"{', '.join(result['sections'])} ({m['cpu']}{', ' + m['cpu_level'] if m.get('cpu_level') else ''})"
         plot_name = str(Path(name).with_suffix(".png"))
         shown = f"\n![{title}]({plot_name})\n" if (where.parent / plot_name).is_file() else ""
         parts.append(f"## {title}\n\n`{result.get('command', 'k3c bench')}` on {result.get('date', 'an unrecorded date')} "
