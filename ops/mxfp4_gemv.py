@@ -14,7 +14,7 @@ Three forms, by ``decode``:
   ``tensor.extract`` from a constant table is scalarised): AVX-512 a ``vpermps`` from the 16 E2M1
   values in one register, 16 weights per lookup; AVX2 (whose ``vpermps`` holds 8 values and
   runs on one port of Zen 3) two ``vpshufb`` giving the upper two bytes of each weight's f32, 32
-  weights per lookup (docs/pipeline.md §3 has the measurements). The activation is permuted once per
+  weights per lookup (docs/pipeline.md §6 has the measurements). The activation is permuted once per
   call into the order the variant multiplies it (``NATIVE_ORDER``, templates/mxfp4_native_split.mlir).
 - ``f16`` and ``int``: one ``linalg.generic`` keeps 16 partial sums per row, one per byte position
   j of a block, and reduces over the blocks b; a second sums the 16. The vector lanes sit on j, a
