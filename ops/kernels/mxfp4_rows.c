@@ -19,8 +19,9 @@
                vpshufb into the upper two bytes of each weight's f32 (half_chunk below).
                xt[c, 64h + 32r0 + 16q + 8r1 + 4b + d] = x[128c + 64h + 32b + 16q + 4d + 2r1 + r0].
 
-   The scale 2^(s - 127) is the f32 with bits s << 23, or-ed with 0x400000 (a NaN) where s = 255,
-   where (s + 1) >> 8 is 1; s = 0 gives +0 (IREE's CPU workers flush the subnormal 2^-127 anyway).
+   The scale 2^(s - 127) is the f32 with bits s << 23 (+inf for s = 255): AVX-512 or-s 0x400000 into
+   it where (s + 1) >> 8 is 1, AVX2 adds x - x (by integer ops resp. on the FP add pipes), both
+   giving NaN for s = 255; s = 0 gives +0 (IREE's CPU workers flush the subnormal 2^-127 anyway).
    Both variants compute every product exactly (an E2M1 value times an f32, rounded once) and sum
    a lane's 8 products in two chains of 4. Freestanding: no libc, no globals beyond read-only
    constants. */
@@ -104,16 +105,44 @@ static inline __m256 half_chunk(const uint8_t* p, const float* xc, __m256i high_
   __m256i even = _mm256_and_si256(w, nibble), odd = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
   __m256i he = _mm256_shuffle_epi8(high_byte, even), le = _mm256_shuffle_epi8(low_byte, even);
   __m256i ho = _mm256_shuffle_epi8(high_byte, odd), lo = _mm256_shuffle_epi8(low_byte, odd);
-  __m256i words[4] = {_mm256_unpacklo_epi8(le, he), _mm256_unpackhi_epi8(le, he),   /* r0 = 0, q = 0, 1 */
-                      _mm256_unpacklo_epi8(lo, ho), _mm256_unpackhi_epi8(lo, ho)};  /* r0 = 1, q = 0, 1 */
-  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {  /* r1 = 0 from the low word, r1 = 1 from the high word */
-    __m256 v0 = _mm256_castsi256_ps(_mm256_slli_epi32(words[i], 16));
-    __m256 v1 = _mm256_castsi256_ps(_mm256_and_si256(words[i], high_word));
-    a = i == 0 ? _mm256_mul_ps(v0, _mm256_loadu_ps(xc)) : _mm256_fmadd_ps(v0, _mm256_loadu_ps(xc + 16 * i), a);
-    b = i == 0 ? _mm256_mul_ps(v1, _mm256_loadu_ps(xc + 8)) : _mm256_fmadd_ps(v1, _mm256_loadu_ps(xc + 16 * i + 8), b);
-  }
+  /* words: r0 = 0 (q = 0, 1), then r0 = 1 (q = 0, 1); in each, r1 = 0 from the low word of a dword
+     (shifted up), r1 = 1 from the high word (masked). Straight-line code: a loop over an array of the
+     4 words stays a loop at gcc -O2, the array on the stack (docs/pipeline.md §6). */
+  __m256i w0 = _mm256_unpacklo_epi8(le, he), w1 = _mm256_unpackhi_epi8(le, he);
+  __m256i w2 = _mm256_unpacklo_epi8(lo, ho), w3 = _mm256_unpackhi_epi8(lo, ho);
+#define LOW_WORD(w) _mm256_castsi256_ps(_mm256_slli_epi32(w, 16))
+#define HIGH_WORD(w) _mm256_castsi256_ps(_mm256_and_si256(w, high_word))
+  __m256 a = _mm256_mul_ps(LOW_WORD(w0), _mm256_loadu_ps(xc));
+  __m256 b = _mm256_mul_ps(HIGH_WORD(w0), _mm256_loadu_ps(xc + 8));
+  a = _mm256_fmadd_ps(LOW_WORD(w1), _mm256_loadu_ps(xc + 16), a);
+  b = _mm256_fmadd_ps(HIGH_WORD(w1), _mm256_loadu_ps(xc + 24), b);
+  a = _mm256_fmadd_ps(LOW_WORD(w2), _mm256_loadu_ps(xc + 32), a);
+  b = _mm256_fmadd_ps(HIGH_WORD(w2), _mm256_loadu_ps(xc + 40), b);
+  a = _mm256_fmadd_ps(LOW_WORD(w3), _mm256_loadu_ps(xc + 48), a);
+  b = _mm256_fmadd_ps(HIGH_WORD(w3), _mm256_loadu_ps(xc + 56), b);
+#undef LOW_WORD
+#undef HIGH_WORD
   return _mm256_add_ps(a, b);
+}
+
+/* 2^(s - 127) for 8 scale bytes widened to i32 lanes: s << 23 is that f32 for s < 255 and +inf for
+   s = 255, which x + (x - x) turns into NaN (it leaves every finite x as it is). */
+static inline __m256 scales8(__m256i s) {
+  __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(s, 23));
+  return _mm256_add_ps(x, _mm256_sub_ps(x, x));
+}
+
+/* The scales of two chunks (8 blocks), and of one (4 blocks, lanes 4-7 unused). */
+static inline __m256 two_chunk_scales(const uint8_t* s) {
+  uint64_t s8;
+  __builtin_memcpy(&s8, s, 8);
+  return scales8(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)s8)));
+}
+
+static inline __m256 one_chunk_scales(const uint8_t* s) {
+  uint32_t s4;
+  __builtin_memcpy(&s4, s, 4);
+  return scales8(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128((int)s4)));
 }
 
 /* y[o] for one row: its packed codes p, scales s, over `chunks` chunks of 128 weights. */
@@ -128,22 +157,31 @@ static inline float row(const uint8_t* p, const uint8_t* s, const float* xt, siz
   const __m256i low_byte = _mm256_setr_epi8(LOW_BYTES, LOW_BYTES);
 #undef HIGH_BYTES
 #undef LOW_BYTES
-  /* lanes of half h take the scales of blocks 2h and 2h + 1 of their chunk */
-  const __m256i low_blocks = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const __m256i high_blocks = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-  const __m128i one = _mm_set1_epi32(1);
+  /* lanes of half chunk j (of two chunks) take the scales of blocks 2j and 2j + 1 */
+  const __m256i pair0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), pair1 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  const __m256i pair2 = _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), pair3 = _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7);
   __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-  for (size_t c = 0; c < chunks; ++c) {
-    uint32_t s4;
-    __builtin_memcpy(&s4, s + 4 * c, 4);
-    __m128i b = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)s4));
-    __m128i nan = _mm_slli_epi32(_mm_srli_epi32(_mm_add_epi32(b, one), 8), 22);
-    __m256 sc = _mm256_castps128_ps256(_mm_castsi128_ps(_mm_or_si128(_mm_slli_epi32(b, 23), nan)));
+  size_t c = 0;
+  for (; c + 2 <= chunks; c += 2) {
+    __m256 sc = two_chunk_scales(s + 4 * c);
+    _mm_prefetch((const char*)(p + 64 * c) + PREFETCH_AHEAD, _MM_HINT_T0);
+    _mm_prefetch((const char*)(p + 64 * c) + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+    even = _mm256_fmadd_ps(half_chunk(p + 64 * c, xt + 128 * c, high_byte, low_byte),
+                           _mm256_permutevar8x32_ps(sc, pair0), even);
+    odd = _mm256_fmadd_ps(half_chunk(p + 64 * c + 32, xt + 128 * c + 64, high_byte, low_byte),
+                          _mm256_permutevar8x32_ps(sc, pair1), odd);
+    even = _mm256_fmadd_ps(half_chunk(p + 64 * c + 64, xt + 128 * c + 128, high_byte, low_byte),
+                           _mm256_permutevar8x32_ps(sc, pair2), even);
+    odd = _mm256_fmadd_ps(half_chunk(p + 64 * c + 96, xt + 128 * c + 192, high_byte, low_byte),
+                          _mm256_permutevar8x32_ps(sc, pair3), odd);
+  }
+  if (c < chunks) {
+    __m256 sc = one_chunk_scales(s + 4 * c);
     _mm_prefetch((const char*)(p + 64 * c) + PREFETCH_AHEAD, _MM_HINT_T0);
     even = _mm256_fmadd_ps(half_chunk(p + 64 * c, xt + 128 * c, high_byte, low_byte),
-                           _mm256_permutevar8x32_ps(sc, low_blocks), even);
+                           _mm256_permutevar8x32_ps(sc, pair0), even);
     odd = _mm256_fmadd_ps(half_chunk(p + 64 * c + 32, xt + 128 * c + 64, high_byte, low_byte),
-                          _mm256_permutevar8x32_ps(sc, high_blocks), odd);
+                          _mm256_permutevar8x32_ps(sc, pair1), odd);
   }
   __m256 t = _mm256_add_ps(even, odd);
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
