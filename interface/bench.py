@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -205,21 +206,28 @@ def active_weight_bytes(cfg: K3Config) -> int:
 
 
 class Copy:
-    """The reference for the roofline figures: a large copy between two page-aligned buffers. With
-    glibc keeping freed memory in the heap (``keep_freed_heap``, as a Session does), numpy's buffers
-    come from the heap at any 16-byte offset; where the destination sits 16 bytes past the source
-    modulo 4 KiB, each load waits on a store to an address with the same low 12 bits (4K aliasing)
-    and a 512 MiB copy ran at 9 GB/s (read + write) instead of 29 (AMD EPYC, Zen 3): the reference
-    must be the machine's streaming bandwidth, not its allocator's offsets."""
+    """The reference for the roofline figures: a large copy between two page-aligned buffers, by as
+    many threads as the compiled side runs (each copies one page-aligned slice; numpy's copy leaves
+    the GIL). With glibc keeping freed memory in the heap (``keep_freed_heap``, as a Session does),
+    numpy's buffers come from the heap at any 16-byte offset; where the destination sits 16 bytes
+    past the source modulo 4 KiB, each load waits on a store to an address with the same low 12 bits
+    (4K aliasing) and a 512 MiB copy ran at 9 GB/s (read + write) instead of 29 (AMD EPYC, Zen 3):
+    the reference must be the machine's streaming bandwidth, not its allocator's offsets."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, threads: int = 1):
         self.src, self.dst = _page_aligned(nbytes), _page_aligned(nbytes)
         self.src.fill(1.0)
         self.dst.fill(0.0)
         self.nbytes = self.src.nbytes
+        step = -(-self.src.size // threads // 512) * 512  # 512 float64 = one page
+        self.slices = [slice(i, i + step) for i in range(0, self.src.size, step)]
+        self.pool = ThreadPoolExecutor(len(self.slices)) if len(self.slices) > 1 else None
 
     def __call__(self) -> None:
-        np.copyto(self.dst, self.src)
+        if self.pool is None:
+            np.copyto(self.dst, self.src)
+        else:
+            list(self.pool.map(lambda s: np.copyto(self.dst[s], self.src[s]), self.slices))
 
 
 def _page_aligned(nbytes: int) -> np.ndarray:
@@ -459,7 +467,7 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
     sections = sections or sizes.sections
     use_threads(threads)
     keep_freed_heap()   # for the compiled side, as a Session does; eager PyTorch allocates from it too
-    copy = Copy(sizes.copy_bytes) if {"decode", "moe"} & set(sections) else None
+    copy = Copy(sizes.copy_bytes, threads) if {"decode", "moe"} & set(sections) else None
     tgt = parse_target(target)
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
