@@ -62,6 +62,10 @@ def _mxfp4_moe(z, idx, w, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w
                               act=act, beta1=beta1, beta2=beta2)
 
 
+def _float_moe(z, idx, w, w1, w3, w2, act, beta1, beta2):
+    return _k3.FloatExpertFfn(z, idx, w, w1, w3, w2, act=act, beta1=beta1, beta2=beta2)
+
+
 def _causal_attention(q, k, v, scale):
     """torch.ops.k3.causal_attention (q [B, T, H, D], k, v [B, L, H, D]) in plain ONNX ops, the mask
     s <= L - T + t built from the two lengths, k^T by a Transpose (torch.onnx's own attention
@@ -85,7 +89,8 @@ def _linear(x, weight):
 
 
 TRANSLATIONS = {torch.ops.k3.linear.default: _linear, torch.ops.k3.kda_chunk.default: _kda_chunk, torch.ops.k3.kda_step.default: _kda_step,
-                torch.ops.k3.mxfp4_moe.default: _mxfp4_moe, torch.ops.k3.causal_attention.default: _causal_attention}
+                torch.ops.k3.mxfp4_moe.default: _mxfp4_moe, torch.ops.k3.float_moe.default: _float_moe,
+                torch.ops.k3.causal_attention.default: _causal_attention}
 
 
 def checkpoint_tensors(directory: Path, base: Path) -> dict[str, ir.ExternalTensor]:

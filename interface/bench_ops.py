@@ -3,8 +3,8 @@
 - KDA prefill (docs/model.md §1): ``torch.k3.kda_chunk`` with a dynamic token count, compiled twice from the
   same export: with the pipeline's chunkwise lowering, and with a token-by-token baseline, an
   ``scf.for`` over tokens calling the traced one-token recurrence (ops/kda.py ``kda_token_scan``).
-- MXFP4 MoE (docs/model.md §4-5): ``torch.k3.mxfp4_moe`` for one token, which the pipeline lowers to its
-  decode form (a loop over the picked experts), and the same loop over the experts stored in bf16.
+- MoE experts (docs/model.md §4-5): ``torch.k3.mxfp4_moe`` for one token, which the pipeline lowers to its
+  decode form (a loop over the picked experts), and ``torch.k3.float_moe`` over the same experts stored in bf16.
 - Layer parts at prefill: the KDA or MLA attention or the MoE block of one decoder layer over a
   dynamic token count, the weights as constants.
 Compiled modules are cached (verified entries, utils/files.py) by what decides them: shapes, k3c sources,
@@ -27,10 +27,7 @@ from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 from .build import cache_dir, cache_key, source_hash
 from ..artifacts.bundle import package_versions
 from ..utils.files import atomic_dir, cache_lock, seal_entry, verified_entry
-from ..ops import kda, mxfp4, mxfp4_moe
-from ..ops.base import TensorType
-from ..ops.mlir import standalone
-from ..ops.numerics import glu_act
+from ..ops import float_moe, kda, mxfp4, mxfp4_moe
 from ..model.kda import l2norm
 from ..exporter.export import decompose
 from ..passes.pipeline import Pipeline, Rewrite
@@ -44,6 +41,17 @@ class KdaPrefill(nn.Module):
         return kda.kda_chunk(q, k, v, g, beta, S)
 
 
+class FloatExperts(nn.Module):
+    """The routed experts of one MoE layer for decode tokens, float (bf16) weights as inputs."""
+
+    def __init__(self, act: str, beta1: float, beta2: float):
+        super().__init__()
+        self.act, self.beta1, self.beta2 = act, beta1, beta2
+
+    def forward(self, z, idx, w, w1, w3, w2):
+        return float_moe.float_moe(z, idx, w, w1, w3, w2, self.act, self.beta1, self.beta2)
+
+
 class Mxfp4Experts(nn.Module):
     """The routed experts of one MoE layer for decode tokens, MXFP4 weights as inputs."""
 
@@ -53,14 +61,6 @@ class Mxfp4Experts(nn.Module):
 
     def forward(self, z, idx, w, w1p, w1s, w3p, w3s, w2p, w2s):
         return mxfp4_moe.mxfp4_moe(z, idx, w, w1p, w1s, w3p, w3s, w2p, w2s, self.act, self.beta1, self.beta2)
-
-
-def bf16_ffn(act: str, beta1: float, beta2: float):
-    """mxfp4_moe's FFN over one expert stored in bf16: matrices [1, out, in]."""
-    def ffn(rows, W1, W3, W2):
-        W1, W3, W2 = (W[0].float() for W in (W1, W3, W2))
-        return glu_act(act, beta1, beta2, rows @ W1.t(), rows @ W3.t()) @ W2.t()
-    return ffn
 
 
 def lower(module: nn.Module, examples: tuple, pipeline: Pipeline, dynamic_shapes=None) -> str:
@@ -136,20 +136,14 @@ def as_bf16(packed: np.ndarray, scale: np.ndarray) -> torch.Tensor:
 def moe_module(form: str, act: tuple[str, float, float], token: list[np.ndarray], weights: list,
                target: Target, log=print) -> bytes:
     """The decode-step routed experts, ``main(z, idx, w, *weights)``: ``form`` "mxfp4" is the model's
-    lowering of torch.k3.mxfp4_moe (weights: packed/scale arrays); "bf16" the same loop over the
-    picked slots with the experts stored in bf16 (weights: bf16 tensors)."""
+    lowering of torch.k3.mxfp4_moe (weights: packed/scale arrays); "bf16" its lowering of
+    torch.k3.float_moe, the experts stored in bf16 (weights: bf16 tensors)."""
     E, I, L = weights[0].shape[0], weights[0].shape[1], token[0].shape[1]
 
     def make():
-        if form == "mxfp4":
-            args = [torch.from_numpy(a) for a in token + weights]
-            return lower(Mxfp4Experts(*act), tuple(args), Pipeline.for_target(target))
-        k = token[1].shape[1]
-        types = [TensorType((1, L), torch.float32), TensorType((1, k), torch.int64), TensorType((1, k), torch.float32)]
-        types += [TensorType(tuple(w.shape), torch.bfloat16) for w in weights]
-        with ir.Context():
-            texts = mxfp4_moe.by_slot("main", types, mxfp4_moe.traced_slot(bf16_ffn(*act)))
-        return standalone(texts, "main", "the bf16 experts")
+        experts = Mxfp4Experts(*act) if form == "mxfp4" else FloatExperts(*act)
+        args = [torch.from_numpy(a) for a in token] + [torch.from_numpy(a) if form == "mxfp4" else a for a in weights]
+        return lower(experts, tuple(args), Pipeline.for_target(target))
     spec = {"E": E, "k": token[1].shape[1], "L": L, "I": I, "act": list(act)}
     return compile_cached(f"moe-{form}", spec, make, target, log)
 

@@ -1,5 +1,6 @@
 """The dense MLP, the sigmoid router and Stable LatentMoE (docs/model.md §4); the SiTU-GLU activation is
-ops/numerics.py's, the MXFP4 routed experts the k3::mxfp4_moe op (ops/mxfp4_moe.py).
+ops/numerics.py's; the routed experts are the k3::mxfp4_moe op (ops/mxfp4_moe.py) where they are
+MXFP4, else the k3::float_moe op (ops/float_moe.py): both run only the picked experts.
 
 K3: z = down(x) into the latent; y = RMSNorm(sum_i w_i e_i(z)); out = up(y) + shared(x).
 Kimi Linear (no latent): out = sum_i w_i e_i(x) + shared(x), SiLU-GLU experts.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.float_moe import float_moe
 from ..ops.mxfp4_moe import mxfp4_moe
 from ..ops.numerics import glu_act, upcast
 from .config import K3Config
@@ -91,18 +93,6 @@ def route(cfg: K3Config, x: torch.Tensor, gate_weight: torch.Tensor, bias: torch
     return idx, w * cfg.routed_scaling_factor
 
 
-def dense_expert_mix(cfg: K3Config, z, idx, w, W1, W3, W2):
-    """sum_i w_i W2_e act(W1_e z, W3_e z) over every expert e, with w = 0 off the top-k: the
-    static-shape form (compute grows with the number of experts). W* [E, out, in] float."""
-    z, W1, W2, W3 = (upcast(t) for t in (z, W1, W2, W3))
-    # w spread over all experts by comparison, not scatter: torch-mlir's scatter lowering crashes
-    # iree-compile 3.13 (LLVM "out of memory" in input conversion)
-    experts = torch.arange(W1.shape[0], device=z.device)
-    dense_w = ((idx.unsqueeze(-1) == experts).to(w.dtype) * w.unsqueeze(-1)).sum(1)
-    h = glu(cfg, torch.einsum("nd,eid->nei", z, W1), torch.einsum("nd,eid->nei", z, W3))
-    return torch.einsum("nei,edi,ne->nd", h, W2, dense_w)
-
-
 class MoE(nn.Module):
     """Sigmoid-routed MoE with shared experts; latent (K3) when routed_expert_hidden_size is set."""
 
@@ -127,7 +117,8 @@ class MoE(nn.Module):
             p = [t for n in ("w1", "w3", "w2") for t in (getattr(ex, n).weight_packed, getattr(ex, n).weight_scale)]
             return mxfp4_moe(upcast(z), idx, w, *p, cfg.hidden_act,
                              cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-        return dense_expert_mix(cfg, z, idx, w, ex.w1.weight, ex.w3.weight, ex.w2.weight)
+        return float_moe(upcast(z), idx, w, ex.w1.weight, ex.w3.weight, ex.w2.weight, cfg.hidden_act,
+                         cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

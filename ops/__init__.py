@@ -7,11 +7,11 @@ traced to linalg, inside the ``scf.for`` wrappers of ``templates/``) and, in a `
 lowering each target takes. The model calls the ops; passes/ asks ``OPS`` for their lowerings.
 Below them: ``numerics`` (upcast, the GLU activations) and ``mxfp4`` (the number format).
 """
-from . import causal_attention, kda, linear, mxfp4_moe
+from . import causal_attention, float_moe, kda, linear, mxfp4_moe
 from .base import CustomOp, Lowering, TensorType
 
 # in the order the pipeline lowers them
-OPS: tuple[CustomOp, ...] = (kda.KDA_CHUNK, kda.KDA_STEP, mxfp4_moe.MXFP4_MOE, causal_attention.CAUSAL_ATTENTION,
-                             linear.LINEAR)
+OPS: tuple[CustomOp, ...] = (kda.KDA_CHUNK, kda.KDA_STEP, mxfp4_moe.MXFP4_MOE, float_moe.FLOAT_MOE,
+                             causal_attention.CAUSAL_ATTENTION, linear.LINEAR)
 
 __all__ = ["OPS", "CustomOp", "Lowering", "TensorType"]

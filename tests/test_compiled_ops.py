@@ -1,5 +1,5 @@
 """Each k3 custom op compiled alone (export -> passes/ -> iree-compile for the CPU -> IREE runtime)
-against an independent reference: fla's naive recurrent KDA, and MXFP4 experts dequantised then
+against an independent reference: fla's naive recurrent KDA, and MXFP4 or float experts (dequantised)
 multiplied token by token in float64."""
 from __future__ import annotations
 
@@ -162,6 +162,52 @@ def test_mxfp4_moe_by_expert_form_matches_dequantised(unroll, monkeypatch):
         z, idx, w = routed_tokens(n_tokens, seed=n_tokens)
         y = run(z.numpy(), idx.numpy(), w.numpy(), *(t.numpy() for t in weights))
         np.testing.assert_allclose(y, moe_reference(z, idx, w, weights), rtol=0, atol=1e-5)
+
+
+def float_expert_weights(seed: int, dtype=torch.bfloat16) -> list[torch.Tensor]:
+    """Float w1, w3 [E, I, L] and w2 [E, L, I] in ``dtype`` (as Kimi Linear stores them)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(shape, generator=gen) * shape[-1] ** -0.5).to(dtype) for shape in ((E, I, L), (E, I, L), (E, L, I))]
+
+
+def float_moe_reference(z, idx, w, weights) -> np.ndarray:
+    """y_n = sum_i w_ni W2_e act(W1_e z_n, W3_e z_n), e = idx_ni, token by token in float64."""
+    W1, W3, W2 = (t.double() for t in weights)
+    z = z.double()
+    y = torch.zeros(z.shape[0], L, dtype=torch.float64)
+    for n in range(z.shape[0]):
+        for e, wt in zip(idx[n].tolist(), w[n].double()):
+            y[n] += wt * (W2[e] @ glu_act("situ", BETA1, BETA2, W1[e] @ z[n], W3[e] @ z[n]))
+    return y.numpy()
+
+
+def float_moe(z, idx, w, *weights):
+    return torch.ops.k3.float_moe(z, idx, w, *weights, "situ", BETA1, BETA2)
+
+
+def test_float_moe_eager_matches_float64():
+    weights = float_expert_weights(0)
+    z, idx, w = routed_tokens(5, seed=4)
+    np.testing.assert_allclose(float_moe(z, idx, w, *weights).numpy(), float_moe_reference(z, idx, w, weights),
+                               rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_float_moe_decode_and_prefill_forms_match_float64(dtype):
+    """Static token count (decode: the picked slots, each expert sliced in place) and dynamic
+    (prefill: the pairs grouped by expert), the experts stored in ``dtype``."""
+    weights = float_expert_weights(1, dtype)
+    host = [as_numpy(t) if t.dtype == torch.bfloat16 else t.numpy() for t in weights]
+    z, idx, w = routed_tokens(2, seed=5)
+    y = compile_op(float_moe, (z, idx, w, *weights))(z.numpy(), idx.numpy(), w.numpy(), *host)
+    np.testing.assert_allclose(y, float_moe_reference(z, idx, w, weights), rtol=0, atol=1e-5)
+    N = Dim("N", min=1, max=512)
+    run = compile_op(float_moe, (*routed_tokens(4, seed=3), *weights), ({0: N},) * 3 + (None,) * 3)
+    for n_tokens in (1, 37):
+        z, idx, w = routed_tokens(n_tokens, seed=n_tokens)
+        y = run(z.numpy(), idx.numpy(), w.numpy(), *host)
+        np.testing.assert_allclose(y, float_moe_reference(z, idx, w, weights), rtol=0, atol=1e-5,
+                                   err_msg=f"{n_tokens} tokens")
 
 
 def bf16_linear_inputs(rows: int, O: int, I: int, seed: int):

@@ -7,8 +7,8 @@ Every CPU level this host can execute runs them (an AVX-512 host runs the AVX2 l
 The CPU lowers ``kda_chunk`` in 256-token blocks of 16-token chunks, the other targets in 64-token
 chunks: T = 1, 255, 257 and 600 run a lone token, a block one short, a block and one token, and
 three blocks with a partial one, all from one module per target. The references are the independent
-ones of test_compiled_ops.py: fla's naive recurrent KDA and MXFP4 experts dequantised then multiplied
-in float64.
+ones of test_compiled_ops.py: fla's naive recurrent KDA and MXFP4 (dequantised) or bf16 experts
+multiplied in float64.
 """
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_compiled_ops import (K, as_numpy, bf16_linear_inputs, expert_weights, fla_recurrent, kda_inputs,
-                               linear_reference, moe, moe_reference, routed_tokens)
+from test_compiled_ops import (K, as_numpy, bf16_linear_inputs, expert_weights, fla_recurrent, float_expert_weights,
+                               float_moe, float_moe_reference, kda_inputs, linear_reference, moe, moe_reference,
+                               routed_tokens)
 from torch.export import Dim, export
 
 from k3c.model import K3Config  # registers torch.ops.k3.*
@@ -51,7 +52,7 @@ def warning_lines(stderr: str) -> list[str]:
 
 @cache
 def compiled(op: str, spec: str, dynamic: bool):
-    """``op`` ('kda_chunk', 'kda_step', 'moe' or 'linear') exported alone, lowered by ``Pipeline.for_target``
+    """``op`` ('kda_chunk', 'kda_step', 'moe', 'float_moe' or 'linear') exported alone, lowered by ``Pipeline.for_target``
     and compiled for ``spec``; returns (run: numpy arrays -> host arrays, the function on the device,
     driver). Dynamic: the token count is a run-time dimension (prefill forms)."""
     import iree.runtime as rt
@@ -66,6 +67,9 @@ def compiled(op: str, spec: str, dynamic: bool):
     if op == "moe":
         fn, example = moe, (*routed_tokens(4 if dynamic else 1, seed=0), *expert_weights(0))
         shapes = ({0: T},) * 3 + (None,) * 6 if dynamic else None
+    elif op == "float_moe":
+        fn, example = float_moe, (*routed_tokens(4 if dynamic else 1, seed=0), *float_expert_weights(0))
+        shapes = ({0: T},) * 3 + (None,) * 3 if dynamic else None
     elif op == "linear":
         fn, example = torch.ops.k3.linear, bf16_linear_inputs(3 if dynamic else 1, LINEAR_OUT, LINEAR_IN, seed=0)
         shapes = ({1: T}, None) if dynamic else None
@@ -141,6 +145,24 @@ def test_mxfp4_moe_as_shipped(spec):
     z, idx, w = routed_tokens(1, seed=7)
     y = run(z.numpy(), idx.numpy(), w.numpy(), *host_weights)
     np.testing.assert_allclose(y, moe_reference(z, idx, w, weights), rtol=0, atol=TOLERANCE[driver])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", TARGETS)
+def test_float_moe_as_shipped(spec):
+    """bf16 experts (Kimi Linear's): the prefill form at every T, and the decode form (one token)."""
+    weights = float_expert_weights(2)
+    host_weights = [as_numpy(t) for t in weights]
+    run, _, driver = compiled("float_moe", spec, dynamic=True)
+    for n_tokens in TOKENS:
+        z, idx, w = routed_tokens(n_tokens, seed=n_tokens)
+        y = run(z.numpy(), idx.numpy(), w.numpy(), *host_weights)
+        np.testing.assert_allclose(y, float_moe_reference(z, idx, w, weights), rtol=0, atol=TOLERANCE[driver],
+                                   err_msg=f"{n_tokens} tokens")
+    run, _, driver = compiled("float_moe", spec, dynamic=False)
+    z, idx, w = routed_tokens(1, seed=7)
+    y = run(z.numpy(), idx.numpy(), w.numpy(), *host_weights)
+    np.testing.assert_allclose(y, float_moe_reference(z, idx, w, weights), rtol=0, atol=TOLERANCE[driver])
 
 
 @pytest.mark.slow
