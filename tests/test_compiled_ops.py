@@ -125,7 +125,12 @@ def routed_tokens(N: int, seed: int):
 
 def moe_reference(z, idx, w, weights) -> np.ndarray:
     """Dequantise every expert, then y_n = sum_i w_ni W2_e act(W1_e z_n, W3_e z_n), e = idx_ni, in float64."""
-    W1, W3, W2 = (mxfp4.dequantize(p, s, torch.float64) for p, s in zip(weights[::2], weights[1::2]))
+    return experts_reference(z, idx, w, *(mxfp4.dequantize(p, s, torch.float64)
+                                          for p, s in zip(weights[::2], weights[1::2])))
+
+
+def experts_reference(z, idx, w, W1, W3, W2) -> np.ndarray:
+    """y_n = sum_i w_ni W2_e act(W1_e z_n, W3_e z_n), e = idx_ni, token by token; W* float64."""
     z = z.double()
     y = torch.zeros(z.shape[0], L, dtype=torch.float64)
     for n in range(z.shape[0]):
@@ -171,14 +176,8 @@ def float_expert_weights(seed: int, dtype=torch.bfloat16) -> list[torch.Tensor]:
 
 
 def float_moe_reference(z, idx, w, weights) -> np.ndarray:
-    """y_n = sum_i w_ni W2_e act(W1_e z_n, W3_e z_n), e = idx_ni, token by token in float64."""
-    W1, W3, W2 = (t.double() for t in weights)
-    z = z.double()
-    y = torch.zeros(z.shape[0], L, dtype=torch.float64)
-    for n in range(z.shape[0]):
-        for e, wt in zip(idx[n].tolist(), w[n].double()):
-            y[n] += wt * (W2[e] @ glu_act("situ", BETA1, BETA2, W1[e] @ z[n], W3[e] @ z[n]))
-    return y.numpy()
+    """The float experts widened exactly to float64, then ``experts_reference``."""
+    return experts_reference(z, idx, w, *(t.double() for t in weights))
 
 
 def float_moe(z, idx, w, *weights):

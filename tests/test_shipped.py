@@ -129,40 +129,33 @@ def test_kda_step_as_shipped(spec, fla_naive):
                                    err_msg=f"S after {T} steps")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("spec", TARGETS)
-def test_mxfp4_moe_as_shipped(spec):
+def check_experts_as_shipped(op: str, spec: str, weights, host_weights, reference) -> None:
     """The prefill form (token count dynamic) at every T, and the decode form (one token)."""
-    weights = expert_weights(2)
-    host_weights = [t.numpy() for t in weights]
-    run, _, driver = compiled("moe", spec, dynamic=True)
+    run, _, driver = compiled(op, spec, dynamic=True)
     for n_tokens in TOKENS:
         z, idx, w = routed_tokens(n_tokens, seed=n_tokens)
         y = run(z.numpy(), idx.numpy(), w.numpy(), *host_weights)
-        np.testing.assert_allclose(y, moe_reference(z, idx, w, weights), rtol=0, atol=TOLERANCE[driver],
+        np.testing.assert_allclose(y, reference(z, idx, w, weights), rtol=0, atol=TOLERANCE[driver],
                                    err_msg=f"{n_tokens} tokens")
-    run, _, driver = compiled("moe", spec, dynamic=False)
+    run, _, driver = compiled(op, spec, dynamic=False)
     z, idx, w = routed_tokens(1, seed=7)
     y = run(z.numpy(), idx.numpy(), w.numpy(), *host_weights)
-    np.testing.assert_allclose(y, moe_reference(z, idx, w, weights), rtol=0, atol=TOLERANCE[driver])
+    np.testing.assert_allclose(y, reference(z, idx, w, weights), rtol=0, atol=TOLERANCE[driver])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", TARGETS)
+def test_mxfp4_moe_as_shipped(spec):
+    weights = expert_weights(2)
+    check_experts_as_shipped("moe", spec, weights, [t.numpy() for t in weights], moe_reference)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", TARGETS)
 def test_float_moe_as_shipped(spec):
-    """bf16 experts (Kimi Linear's): the prefill form at every T, and the decode form (one token)."""
+    """bf16 experts, as Kimi Linear stores them."""
     weights = float_expert_weights(2)
-    host_weights = [as_numpy(t) for t in weights]
-    run, _, driver = compiled("float_moe", spec, dynamic=True)
-    for n_tokens in TOKENS:
-        z, idx, w = routed_tokens(n_tokens, seed=n_tokens)
-        y = run(z.numpy(), idx.numpy(), w.numpy(), *host_weights)
-        np.testing.assert_allclose(y, float_moe_reference(z, idx, w, weights), rtol=0, atol=TOLERANCE[driver],
-                                   err_msg=f"{n_tokens} tokens")
-    run, _, driver = compiled("float_moe", spec, dynamic=False)
-    z, idx, w = routed_tokens(1, seed=7)
-    y = run(z.numpy(), idx.numpy(), w.numpy(), *host_weights)
-    np.testing.assert_allclose(y, float_moe_reference(z, idx, w, weights), rtol=0, atol=TOLERANCE[driver])
+    check_experts_as_shipped("float_moe", spec, weights, [as_numpy(t) for t in weights], float_moe_reference)
 
 
 @pytest.mark.slow
