@@ -22,9 +22,10 @@ checkpoint (inside the bundle and exactly its listed files, or an absolute path 
 a config.json whose hash matches); its config against the manifest's; the manifest against the
 module itself, whose entry points carry the facts it was compiled for (``module_facts``: config,
 parameter table, target, batch, max prompt) in their IREE reflection metadata, so an edited
-manifest or a module compiled for other weights is refused; the checkpoint's tensors against the
-parameters the module reads; and the archive against all of these (config, checkpoint, parameter
-names, dtypes and shapes; an archive outside the bundle also against its sha256s).
+manifest or a module compiled for other weights is refused; and the archive against all of these
+(config, checkpoint, parameter names, dtypes and shapes; an archive outside the bundle also against
+its sha256s), or, without an archive, the checkpoint's tensors against the parameters the module
+reads. Opening a bundle with an archive imports no torch.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ from pathlib import Path
 
 from ..errors import K3Error
 from ..exporter.entry_points import ENTRY_POINTS, REQUIRED
+from .archive import first_table_difference, read_archive, verify_archive
+from ..model.config import K3Config
 from ..utils.files import MARKER, digest_of, files_under, hash_dir, inside, recover, sha256_file
 
 MANIFEST = "manifest.json"
@@ -67,7 +70,7 @@ class Manifest:
     max_prompt: int                 # longest prompt the prefill entry point accepts
     parameters: dict                # program parameter -> [dtype, shape]: what the module reads
     weights: str                    # "weights.irpa", an absolute path to an archive, or "" (the checkpoint's tensors)
-    weights_digest: str = ""        # an archive outside the bundle: pack.Archive.digest
+    weights_digest: str = ""        # an archive outside the bundle: archive.Archive.digest
     no_reference: str = ""          # why there is no reference.npz ("" when there is one)
     files: dict = field(default_factory=dict)        # relative path -> sha256
     packages: dict = field(default_factory=package_versions)
@@ -126,7 +129,7 @@ def stored_dtypes(checkpoint: Path):
 def module_facts(config_hash: str, parameters: dict, target: dict, max_prompt: int, batch: int = 1) -> dict[str, str]:
     """What a compiled module is valid for, as strings: stamped into its entry points' reflection
     metadata at compile time (build.stamp) and compared with the manifest on open. ``parameters``:
-    the table of what it reads (pack.ParameterTable)."""
+    the table of what it reads (archive.ParameterTable)."""
     table = json.dumps(parameters, sort_keys=True)
     return {"k3c.config": config_hash, "k3c.parameters": hashlib.sha256(table.encode()).hexdigest()[:16],
             "k3c.target": json.dumps(target, sort_keys=True), "k3c.batch": str(batch),
@@ -161,8 +164,10 @@ class Bundle:
     def parameter_files(self) -> list[Path]:
         """What the module's parameters are read from: the packed archive, or (a bundle from ONNX,
         whose parameters are the checkpoint's own tensors) the checkpoint's safetensors files."""
-        from ..model.checkpoint import checkpoint_files  # deferred heavy import (torch, ~2 s): opening a bundle to run it loads no torch
-        return [self.archive_path] if self.archive_path else checkpoint_files(self.checkpoint_dir)
+        if self.archive_path:
+            return [self.archive_path]
+        from ..model.checkpoint import checkpoint_files  # deferred heavy import (torch, ~3 s): a bundle with an archive runs without torch
+        return checkpoint_files(self.checkpoint_dir)
 
 
 def open_bundle(path: str | Path) -> Bundle:
@@ -180,13 +185,14 @@ def open_bundle(path: str | Path) -> Bundle:
     _check_files(root, manifest)
     bundle = Bundle(root, manifest)
     _check_checkpoint(bundle)
-    from ..model.config import K3Config  # deferred heavy import (torch, ~2 s): opening a bundle to run it loads no torch
     config = K3Config.from_hf(bundle.checkpoint_dir)
     _check_config(bundle, config)
     _check_checkpoint_hash(bundle)
     check_module(bundle)
-    check_checkpoint_parameters(bundle, config)
-    _check_archive(bundle)
+    if bundle.archive_path is None:
+        check_checkpoint_parameters(bundle)
+    else:
+        _check_archive(bundle)
     return bundle
 
 
@@ -345,20 +351,16 @@ def check_module(bundle: Bundle) -> None:
                           f"says {ours} (edited manifest or another module)")
 
 
-def check_checkpoint_parameters(bundle: Bundle, config) -> None:
-    """The checkpoint's tensors (headers only) give the parameters the module reads: packed (the
-    program table of pack.py) or, for an ONNX bundle, as stored."""
-    from ..model.checkpoint import TORCH_DTYPES, open_checked, read_header
-    from .pack import checkpoint_table, first_table_difference
-
+def check_checkpoint_parameters(bundle: Bundle) -> None:
+    """A bundle without an archive (from ONNX) reads the checkpoint's own tensors: their headers give
+    exactly the dtypes and shapes of the parameters the module reads. (A bundle with an archive needs
+    no such check: the archive was packed from the checkpoint of ``checkpoint_hash``, each tensor
+    checked against the parameter table then, and ``_check_archive`` holds it to both.)"""
+    from ..model.checkpoint import TORCH_DTYPES, read_header
     m, ck = bundle.manifest, bundle.checkpoint_dir
-    if m.weights:
-        _, ckpt = open_checked(ck)
-        problem = first_table_difference(m.parameters, checkpoint_table(config, ckpt, m.target.get("devices", 1)))
-    else:
-        stored = {k: [str(TORCH_DTYPES[d]).removeprefix("torch."), list(s)]
-                  for f in bundle.parameter_files for k, (d, s) in read_header(f).items()}
-        problem = first_table_difference(m.parameters, {k: v for k, v in stored.items() if k in m.parameters})
+    stored = {k: [str(TORCH_DTYPES[d]).removeprefix("torch."), list(s)]
+              for f in bundle.parameter_files for k, (d, s) in read_header(f).items()}
+    problem = first_table_difference(m.parameters, {k: v for k, v in stored.items() if k in m.parameters})
     if problem:
         raise K3Error(f"bundle: {bundle.module_path} was compiled for other parameter dtypes or shapes than its "
                       f"checkpoint {ck} stores: the checkpoint {problem}")
@@ -368,8 +370,6 @@ def _check_archive(bundle: Bundle) -> None:
     """The archive the module reads was packed from the bundle's checkpoint for its config and holds
     exactly the parameters the module reads; one outside the bundle is also read whole against its
     sha256s and must be the one attached (``weights_digest``)."""
-    from .pack import read_archive, verify_archive
-
     m, path = bundle.manifest, bundle.archive_path
     if path is None:
         return
@@ -385,9 +385,7 @@ def _check_archive(bundle: Bundle) -> None:
 
 
 def check_archive_fits(archive, m: Manifest, where: str) -> None:
-    """``archive`` (pack.Archive) is for the manifest's config, checkpoint and parameter table."""
-    from .pack import first_table_difference
-
+    """``archive`` (archive.Archive) is for the manifest's config, checkpoint and parameter table."""
     if archive.config_hash != m.config_hash:
         key, ours, theirs = first_difference(m.config, archive.config) if archive.config != m.config else ("", "", "")
         detail = f" ({key}: {ours} vs {theirs})" if key else ""

@@ -37,7 +37,8 @@ from ..model.init import init_weights
 from ..compiler.targets import Target, compile_mlir
 from ..exporter.entry_points import ENTRY_POINTS
 from ..utils.files import atomic_dir, cache_dir, cache_lock, check_output, hash_dir, seal_entry, verified_entry
-from ..artifacts.pack import ParameterTable, checkpoint_table, first_table_difference, pack, read_archive, verify_archive
+from ..artifacts.archive import ParameterTable, first_table_difference, read_archive, verify_archive
+from ..artifacts.pack import checkpoint_table, pack
 from ..artifacts.bundle import (ARCHIVE, FORMAT, MODULE, REFERENCE, Bundle, Manifest, check_archive_fits,
                                 first_difference, module_facts, open_bundle, open_module, package_versions, seal)
 from ..runtimes.tokenizer import TOKENIZER_FILES, load_tokenizer, write_byte_level_tokenizer
@@ -133,7 +134,7 @@ _ELEMENT = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i8": "uint8
 
 def module_parameters(module) -> ParameterTable:
     """What a lowered module reads: each ``util.global`` initialised from a named parameter, as
-    [dtype, shape] (pack.ParameterTable), from the module itself."""
+    [dtype, shape] (archive.ParameterTable), from the module itself."""
     from iree.compiler import ir
     table = {}
     with module.context:

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..ops.numerics import ACTIVATIONS
-from .config_keys import (ALIASES, IGNORED, QUANT_GROUP_KEYS, QUANT_KEYS, QUANT_WEIGHT_KEYS, WRAPPER_KEYS, ConfigError,
-                          is_int, need_type, refuse, unknown_keys)
+from .config_keys import (ACTIVATIONS, ALIASES, IGNORED, QUANT_GROUP_KEYS, QUANT_KEYS, QUANT_WEIGHT_KEYS, WRAPPER_KEYS,
+                          ConfigError, is_int, need_type, refuse, unknown_keys)
 from .kimi_linear_config import kimi_linear_fields
 
 

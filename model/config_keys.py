@@ -13,6 +13,10 @@ class ConfigError(K3Error, ValueError):
     """An invalid or unreadable model configuration; the message names the field."""
 
 
+# the config's hidden_act: SiTU (K3), SiLU-GLU (Kimi Linear), those ops/numerics.py ACTIVATIONS
+# computes (a test holds the two equal: this module imports no torch, ops/ does)
+ACTIVATIONS = ("situ", "silu")
+
 # transformers' and the Hub's other spellings of K3Config fields
 ALIASES = {
     "num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",

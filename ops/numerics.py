@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("situ", "silu")   # the config's hidden_act: SiTU (K3), SiLU-GLU (Kimi Linear)
+ACTIVATIONS = ("situ", "silu")   # what glu_act computes: SiTU (K3), SiLU-GLU (Kimi Linear)
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:

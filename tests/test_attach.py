@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from test_cli_errors import assert_one_line_error, flip_byte, k3c_in_process
 from test_release_layouts import release_layout
 
-from k3c.artifacts.pack import META, pack, read_archive, verify_archive
+from k3c.artifacts.archive import META, read_archive, verify_archive
+from k3c.artifacts.pack import pack
 from k3c.errors import K3Error
 from k3c.model import K3Config, K3Model
 from k3c.model.shapes import MEMORY_LIMIT, memory_shortfall, model_memory

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.export import Dim, export
 
-import k3c.model  # noqa: F401  (registers torch.ops.k3.*)
+import k3c.ops  # noqa: F401  (registers torch.ops.k3.*)
 from conftest import CPU_TARGETS, cpu_target  # tests/ is on sys.path
 from k3c.ops import mxfp4
 from k3c.ops.numerics import glu_act

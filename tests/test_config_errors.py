@@ -26,6 +26,12 @@ from k3c.model.init import init_weights
 SINGLE = "model.safetensors"
 
 
+def test_configs_accept_the_activations_the_ops_compute():
+    from k3c.model.config_keys import ACTIVATIONS as CONFIG_ACTIVATIONS
+    from k3c.ops.numerics import ACTIVATIONS
+    assert CONFIG_ACTIVATIONS == ACTIVATIONS
+
+
 def write_config(directory: Path, raw: dict) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(raw))

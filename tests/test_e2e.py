@@ -103,6 +103,18 @@ def test_one_module_serves_two_checkpoints(tiny_bundle, k3c_cache, tmp_path):
     assert np.abs(ref0["prefill_logits"] - ref1["prefill_logits"]).max() > 1000 * TOL
 
 
+def test_running_a_bundle_loads_no_torch(tiny_bundle, k3c_cache):
+    """Opening a bundle with an archive, loading it and a first prefill need iree-base-runtime
+    alone: importing torch would add about 3 s to every start (docs/bundle.md §4)."""
+    code = ("import sys; import numpy as np; from k3c.artifacts.bundle import open_bundle; "
+            "from k3c.runtimes.session import Session; "
+            f"s = Session(open_bundle({str(tiny_bundle.root)!r})); s.prefill(np.array([1, 2, 3])); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "K3C_CACHE": str(k3c_cache)})
+    assert out.returncode == 0 and out.stdout.split() == ["False"], out.stderr
+
+
 def test_weights_are_named_parameters(tiny_bundle):
     """Every parameter of the packed archive is named in the module (a parameter key), the archive
     holds exactly the program's parameters (docs/pipeline.md §5: one per tensor kind and layer
@@ -110,7 +122,7 @@ def test_weights_are_named_parameters(tiny_bundle):
     in the module (no weight became a constant)."""
     import iree.runtime as rt
 
-    from k3c.artifacts.pack import META
+    from k3c.artifacts.archive import META
     from k3c.model.stacking import program_dtypes
     vmfb = tiny_bundle.module_path.read_bytes()
     index = rt.ParameterIndex()

@@ -11,7 +11,7 @@ from torch.export import Dim, export
 
 from test_compiled_ops import compile_op
 
-import k3c.model  # noqa: F401  (registers torch.ops.k3.*)
+import k3c.ops  # noqa: F401  (registers torch.ops.k3.*)
 
 B, H, DQ, DV = 1, 3, 40, 24   # DV != DQ, so values and keys cannot be swapped
 SCALE = DQ ** -0.5

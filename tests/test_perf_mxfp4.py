@@ -13,7 +13,7 @@ from torch.export import Dim
 from conftest import CPU_TARGETS, cpu_target
 from test_compiled_ops import compile_op
 
-import k3c.model  # noqa: F401  (registers torch.ops.k3.*)
+import k3c.ops  # noqa: F401  (registers torch.ops.k3.*)
 
 # (target, nibble decode, O, IN): the forms the lowerings pick per CPU level (each level's native
 # kernel variant; "f16" where it does not build), at sizes crossing their tiles: the native kernel's

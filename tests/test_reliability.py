@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -231,6 +232,40 @@ def test_damaged_cache_entry_is_discarded(tmp_path):
     assert not entry.exists() and len(said) == 1 and "damaged" in said[0]
 
 
+def test_digest_record_holds_only_while_the_file_is_unchanged(tmp_path, monkeypatch):
+    """sha256_file answers from its record while size, mtime and ctime are the recorded ones (a
+    record edited to another digest is believed then: that is what spares the read), and reads the
+    file again once it was written, even with its mtime put back."""
+    import hashlib
+    import k3c.utils.files as files
+
+    monkeypatch.setenv("K3C_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(files, "RACY_NS", 20_000_000)  # 20 ms, past any clock tick of file timestamps
+    f = tmp_path / "weights.bin"
+    f.write_bytes(bytes(range(256)) * 64)
+    time.sleep(0.05)
+    assert files.sha256_file(f) == hashlib.sha256(f.read_bytes()).hexdigest()
+    [record] = (tmp_path / "cache" / files.DIGESTS).iterdir()
+    record.write_text(json.dumps({**json.loads(record.read_text()), "sha256": "0" * 64}))
+    assert files.sha256_file(f) == "0" * 64
+    st = f.stat()
+    flip_byte(f)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert files.sha256_file(f) == hashlib.sha256(f.read_bytes()).hexdigest() != "0" * 64
+
+
+def test_file_hashed_as_it_is_written_is_not_recorded(tmp_path, monkeypatch):
+    """A file hashed within the timestamps' resolution of its last write could change again without
+    moving them: it is read again next time."""
+    import k3c.utils.files as files
+
+    monkeypatch.setenv("K3C_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "module.vmfb"
+    f.write_bytes(b"module")
+    files.sha256_file(f)
+    assert not (tmp_path / "cache" / files.DIGESTS).exists()
+
+
 def test_corrupt_cache_is_rebuilt(tiny_bundle, k3c_cache, tmp_path):
     """A flipped byte in the cached module.vmfb and a truncated cached torch.mlir: the next compile
     rebuilds both and its bundle runs as the original does (the one whole-model compile here)."""
@@ -330,16 +365,17 @@ def test_unlisted_file_in_checkpoint_is_refused(bundle_copy):
                           "checkpoint/aa-backup.safetensors", "not listed")
 
 
-def test_module_for_other_parameter_dtypes_is_refused(bundle_copy):
-    """lm_head stored in f32 instead of bf16 (and the bundle resealed): the module was compiled to
-    read bf16 there, so it is refused instead of reading garbage."""
+def test_checkpoint_of_other_parameter_dtypes_is_refused(bundle_copy):
+    """lm_head stored in f32 instead of bf16 (and the bundle resealed): the archive the module reads
+    was packed from the checkpoint as it was, so the bundle is refused instead of validating one
+    checkpoint and running another."""
     path = bundle_copy / "checkpoint" / "model.safetensors"
     tensors = load_file(path)
     assert tensors["lm_head.weight"].dtype == torch.bfloat16
     tensors["lm_head.weight"] = tensors["lm_head.weight"].float()
     save_file(tensors, path, metadata={"format": "pt"})
     reseal(bundle_copy)
-    assert_one_line_error(*k3c_in_process("run", bundle_copy, "--prompt-ids", "1,2"), "other parameter dtypes")
+    assert_one_line_error(*k3c_in_process("run", bundle_copy, "--prompt-ids", "1,2"), "packed from another checkpoint")
 
 
 def test_config_mismatch_names_the_field_not_one_hash_twice(bundle_copy):

@@ -10,6 +10,9 @@ Output directories (``check_output``, ``atomic_dir``):
   had moved aside and not yet deleted, or put back when the kill came between the two renames) is
   tidied up by the next writer of that target.
 
+File digests (``sha256_file``): read whole once, then taken from a record under the cache while the
+file's size, mtime and ctime are unchanged (docs/bundle.md §4).
+
 Cache entries (``seal_entry``, ``verified_entry``): a directory whose files' sha256 are listed in
 ``CONTENTS`` (sha256sum's format); a read re-hashes them and discards an entry that differs. Who
 builds an entry holds its lock (``cache_lock``), so two k3c processes that need one entry build
@@ -22,9 +25,12 @@ import errno
 import fcntl
 import glob
 import hashlib
+import json
 import os
+import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from ..errors import K3Error
@@ -32,6 +38,9 @@ from ..errors import K3Error
 MARKER = ".written-by-k3c"
 MARKER_TEXT = "This directory was written by k3c; k3c replaces it only when told to (--force).\n"
 CONTENTS = "contents.sha256"
+DIGESTS = "digests"     # sha256_file's records, under the cache
+RACY_NS = 2_000_000_000
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _TAG = "k3c-"  # temporary names: .<target name>.k3c-<pid>-<random> and .<target name>.k3c-<pid>-old
 _NO_SPACE = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
              errno.EROFS: "read-only file system"}
@@ -43,10 +52,28 @@ def cache_dir() -> Path:
 
 
 def sha256_file(path: Path, block: int = 1 << 22) -> str:
+    """The sha256 of the file at ``path``, read from a digest record (``DIGESTS`` in the cache, one
+    per device and inode) while the file's size, mtime and ctime are the ones recorded with it, so
+    reopening a bundle of many GB does not read it whole again (docs/bundle.md §4). Any write to the
+    file moves its mtime and ctime, and ctime cannot be set back, so a changed file is read again. A
+    file is recorded only once its timestamps are ``RACY_NS`` old: a write in the same timestamp
+    tick as the hash would leave them as they were."""
+    before = os.stat(path)
+    stamp = [before.st_size, before.st_mtime_ns, before.st_ctime_ns]
+    record = cache_dir() / DIGESTS / f"{before.st_dev}-{before.st_ino}"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        saved = json.loads(record.read_text())
+        if saved["stat"] == stamp and _SHA256.fullmatch(saved["sha256"]):
+            return saved["sha256"]
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(block):
             h.update(chunk)
+    after = os.stat(path)
+    settled = time.time_ns() - max(after.st_mtime_ns, after.st_ctime_ns) > RACY_NS
+    if settled and [after.st_size, after.st_mtime_ns, after.st_ctime_ns] == stamp:
+        with contextlib.suppress(OSError, K3Error):  # a cache that cannot be written only costs time
+            write_atomic(record, json.dumps({"stat": stamp, "sha256": h.hexdigest()}).encode())
     return h.hexdigest()
 
 
