@@ -12,6 +12,8 @@ Absolute medians are reported too, but not judged. Sections:
     moe       decode-step MXFP4 expert FFN: weight bytes/s vs a large memory copy; vs bf16 experts
     hybrid    decode time of k3-small vs the same model with every attention layer MLA
     compile   iree-compile wall and CPU time and peak memory at several depths, and of the full K3
+    peer      k3c against llama.cpp on one Kimi Linear checkpoint (interface/bench_peer.py); only
+              with --only peer: it builds llama.cpp once (about 10 minutes on 2 cores)
 A decode at context N runs on a synthesized random state with N - 1 cached tokens (the shapes and
 scales a prefill would leave), not on a prefilled one. PyTorch and IREE get the same number of
 threads (one by default).
@@ -55,6 +57,7 @@ from ..runtimes.session import Session
 from ..utils.memory import keep_freed_heap
 from . import bench_ops
 from .bench_devices import bench_devices
+from .bench_peer import bench_peer
 from .bench_report import SECTIONS
 from ..compiler import cpu as cpu_levels
 from ..compiler.targets import Target, parse_target
@@ -84,7 +87,8 @@ class Sizes:
 
 FULL = Sizes("k3-small", 2048, (128, 1024, 4096, 16384), (512, 2048, 8192), (512, 2048, 8192),
              (256, 512, 1024, 2048, 4096, 8192), 2048,
-             {"E": 32, "k": 16, "L": 3584, "I": 3072}, 512 << 20, (1024, 4096, 16384), (8, 32, 93), 7, 3, True)
+             {"E": 32, "k": 16, "L": 3584, "I": 3072}, 512 << 20, (1024, 4096, 16384), (8, 32, 93), 7, 3, True,
+             tuple(s for s in SECTIONS if s != "peer"))
 QUICK = Sizes("k3-tiny", DEFAULT_MAX_PROMPT, (16, 64, 256), (16, 64, DEFAULT_MAX_PROMPT + 76), (16, 64), (64, 128, 256, 512), 128,
               {"E": 8, "k": 2, "L": 256, "I": 256}, 32 << 20, (64, 128, 256), (1, 2), 3, 1, False,
               ("decode", "prefill", "kda", "moe"))  # hybrid and compile need whole models compiled
@@ -504,6 +508,8 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
                                      sizes.rounds, log)
         elif name == "compile":
             out[name] = bench_compile(cfg, sizes, tgt, work, log)
+        elif name == "peer":
+            out[name] = bench_peer(work, tgt, sizes.slow_rounds, log)
         elif name == "devices":
             out[name] = bench_devices(K3Config.preset("k3-tiny"), work, tgt, 128, sizes.rounds, log)
         out[name]["seconds"] = time.perf_counter() - t0

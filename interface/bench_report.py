@@ -10,7 +10,7 @@ from ..errors import K3Error
 from ..utils.files import write_atomic
 
 # the sections of ``k3c bench``, in the order they run and are reported (runtimes/bench.py)
-SECTIONS = ("decode", "prefill", "layers", "kda", "moe", "hybrid", "compile", "devices")
+SECTIONS = ("decode", "prefill", "layers", "kda", "moe", "hybrid", "compile", "devices", "peer")
 PART_NAMES = {"kda": "KDA", "mla": "MLA", "moe": "MoE"}
 
 
@@ -64,6 +64,12 @@ def targets(sections: dict) -> list[dict]:
             rows.append(_row(f"decode on {r['devices']} local devices vs one on the same driver (expert-heavy)", r["decode_vs_one"],
                              ">= 1.5x" if r["devices"] == 2 else "> 1x",
                              r["decode_vs_one"] >= (1.5 if r["devices"] == 2 else 1)))
+    if "peer" in sections:
+        p = sections["peer"]
+        for what in ("decode", "prefill"):
+            rows.append(_row(f"k3c {what} tok/s over llama.cpp's, same checkpoint and threads (lowest over "
+                             "bf16 / MXFP4 experts and thread counts)", p[f"{what}_over_llamacpp"], ">= 1x",
+                             p[f"{what}_over_llamacpp"] >= 1))
     if "compile" in sections:
         c = sections["compile"]
         for r in c["ratios"]:
@@ -84,10 +90,13 @@ def markdown(result: dict) -> str:
     m = result["machine"]
     features = (f" (level {m.get('cpu_level')}; {' '.join(m['cpu_features'])})" if m.get("cpu_features")
                 else " (CPU features not recorded)")
-    lines = [f"Machine: {m['cpu']}{features}, {m['cores']} cores, {m['memory_gib']} GiB, {m['threads']} thread(s) for PyTorch "
-             f"and for IREE, load average {m['load_average_start']:.1f} at start, "
+    peer_only = list(result["sections"]) == ["peer"]   # its own checkpoint and thread counts
+    threads = "1 and every thread (peer)" if peer_only else f"{m['threads']} thread(s) for PyTorch and for IREE"
+    model = "the peer's Kimi Linear checkpoint" if peer_only else f"model {result['sizes']['preset']}"
+    lines = [f"Machine: {m['cpu']}{features}, {m['cores']} cores, {m['memory_gib']} GiB, {threads}, "
+             f"load average {m['load_average_start']:.1f} at start, "
              f"{m.get('load_average_end', float('nan')):.1f} at end; "
-             f"target {result['target']}, model {result['sizes']['preset']}; sections run: "
+             f"target {result['target']}, {model}; sections run: "
              f"{', '.join(result['sections'])}.", ""]
     if result.get("lowerings"):
         lines += ["Kernels (the lowering of each op on this target):", ""]
@@ -133,6 +142,19 @@ def markdown(result: dict) -> str:
             for r in s["compile"]["rows"])
             + "".join(f"; full K3 for {r['target']} {r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s CPU, "
                       f"{r['peak_MiB']:.0f} MiB peak" for r in s["compile"]["full_k3"]))
+    if "peer" in s:
+        p = s["peer"]
+        lines += [f"Peer (llama.cpp {p['llama_cpp']['build_commit']} from llama-cpp-python "
+                  f"{p['llama_cpp']['llama_cpp_python']}, {p['llama_cpp']['backends']} backend, "
+                  f"{p['llama_cpp']['cpu_info']}; MXFP4 experts: `{p['llama_cpp']['mxfp4']}`), tokens/s, "
+                  f"median of {p['rounds']} interleaved rounds:", "",
+                  f"| weights | threads | llama.cpp prefill {p['prompt']} | k3c prefill {p['prompt']} | "
+                  f"llama.cpp decode {p['decode_steps']} | k3c decode {p['decode_steps']} |", "|---|---:|---:|---:|---:|---:|"]
+        by = {(r["format"], r["threads"], r["engine"]): r for r in p["rows"]}
+        for fmt, n in dict.fromkeys((r["format"], r["threads"]) for r in p["rows"]):
+            ll, k = by[(fmt, n, "llama.cpp")], by[(fmt, n, "k3c")]
+            lines.append(f"| {fmt} | {n} | {ll['prefill_tok_s']:.1f} | {k['prefill_tok_s']:.1f} | "
+                         f"{ll['decode_tok_s']:.2f} | {k['decode_tok_s']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -236,12 +258,21 @@ def plot(result: dict, out: Path) -> None:
             ax.bar([i + 0.2 for i in range(len(x))], [r["prefill_vs_one"] for r in rows], 0.4, label="prefill")
             ax.set(xticks=range(len(x)), xticklabels=x, xlabel="local devices", ylabel="tokens/s vs one device",
                    title="experts split over devices")
+        elif name == "peer":
+            cases = list(dict.fromkeys((r["format"], r["threads"]) for r in rows))
+            by = {(r["format"], r["threads"], r["engine"]): r for r in rows}
+            for j, engine in enumerate(("llama.cpp", "k3c")):
+                ax.bar([i + 0.4 * j - 0.2 for i in range(len(cases))],
+                       [by[(f, n, engine)]["decode_tok_s"] for f, n in cases], 0.4, label=engine)
+            ax.set(xticks=range(len(cases)), xticklabels=[f"{f}, {n}t" for f, n in cases], ylabel="decode tokens / s",
+                   title="vs llama.cpp (Kimi Linear 1B)")
         if ax.get_xscale() == "log":  # label the measured points, not the decades
             ax.set_xticks(x, [str(v) for v in x], rotation=45)
             ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.suptitle(f"k3c bench ({result['sizes']['preset']}, {result['machine']['cpu']}, "
+    model = "Kimi Linear peer checkpoint" if list(s) == ["peer"] else result["sizes"]["preset"]
+    fig.suptitle(f"k3c bench ({model}, {result['machine']['cpu']}, "
                  f"{result['machine']['cores']} cores)", fontsize=10)
     fig.tight_layout()
     buf = io.BytesIO()

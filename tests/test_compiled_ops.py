@@ -226,16 +226,18 @@ def as_numpy(w: torch.Tensor) -> np.ndarray:
     return w.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
 
 
-@pytest.mark.parametrize("O, I", [(48, 96), (40, 64), (16, 32)])
-def test_linear_streamed_matvec_matches_float64(O, I):
-    """One row against bf16 W, as decode runs every projection on the CPU: the streamed matvec
-    (3 tiles of 16 rows x 3 blocks of 32; a row count that is no multiple of 16; one of each)."""
+@pytest.mark.parametrize("target, O, I", [cpu_target(t, *case) for t in CPU_TARGETS
+                                           for case in [(48, 96), (40, 64), (16, 32)]])
+def test_linear_streamed_matvec_matches_float64(target, O, I):
+    """One row against bf16 W, as decode runs every projection on the CPU, on every CPU level: the
+    streamed matvec (3 tiles of 16 rows x 3 blocks of 32; a row count that is no multiple of 16;
+    one of each)."""
     from k3c.ops.base import TensorType
     from k3c.ops.linear import streams
 
     x, w = bf16_linear_inputs(1, O, I, seed=O + I)
     assert streams([TensorType(tuple(x.shape), x.dtype), TensorType(tuple(w.shape), w.dtype)])
-    y = compile_op(torch.ops.k3.linear, (x, w))(x.numpy(), as_numpy(w))
+    y = compile_op(torch.ops.k3.linear, (x, w), target=target)(x.numpy(), as_numpy(w))
     ref = linear_reference(x, w)
     scale = (x.double().abs() @ w.double().abs().T).numpy()   # sum of |x_i w_i|: the f32 rounding's scale
     np.testing.assert_array_less(np.abs(y - ref), 1e-6 * scale + 1e-30)
