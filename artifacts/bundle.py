@@ -357,6 +357,7 @@ def check_checkpoint_parameters(bundle: Bundle) -> None:
     no such check: the archive was packed from the checkpoint of ``checkpoint_hash``, each tensor
     checked against the parameter table then, and ``_check_archive`` holds it to both.)"""
     from ..model.checkpoint import TORCH_DTYPES, read_header
+
     m, ck = bundle.manifest, bundle.checkpoint_dir
     stored = {k: [str(TORCH_DTYPES[d]).removeprefix("torch."), list(s)]
               for f in bundle.parameter_files for k, (d, s) in read_header(f).items()}
@@ -371,8 +372,6 @@ def _check_archive(bundle: Bundle) -> None:
     exactly the parameters the module reads; one outside the bundle is also read whole against its
     sha256s and must be the one attached (``weights_digest``)."""
     m, path = bundle.manifest, bundle.archive_path
-    if path is None:
-        return
     if not Path(m.weights).is_absolute():
         if m.weights not in m.files or ".." in Path(m.weights).parts:
             raise K3Error(f"bundle: the manifest of {bundle.root} does not list its archive {m.weights}")

@@ -113,16 +113,21 @@ def llama_cpp(log) -> LlamaCpp:
     return LlamaCpp(entry)
 
 
+def _stamped(stamp: Path, text: str) -> bool:
+    """Whether ``stamp`` says ``text``: what the file beside it was made from."""
+    return stamp.is_file() and stamp.read_text() == text
+
+
 def bench_checkpoint(path: Path, log) -> Path:
     """The bench's Kimi Linear checkpoint (``PEER_MODEL``, seeded, bf16) at ``path``, written by
-    transformers unless the one of these sizes is there."""
+    transformers unless the one of these sizes is there (its ``peer.json`` says so)."""
     stamp = json.dumps({"model": PEER_MODEL, "seed": 0}, sort_keys=True)
-    if (path / "peer.json").is_file() and (path / "peer.json").read_text() == stamp:
+    if _stamped(path / "peer.json", stamp):
         return path
     import torch
+    from safetensors.torch import load_file, save_file
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
     log(f"writing the Kimi Linear bench checkpoint (transformers) to {path}")
-    from safetensors.torch import load_file, save_file
     torch.manual_seed(0)
     model = KimiLinearForCausalLM(KimiLinearConfig(**PEER_MODEL)).to(torch.bfloat16)
     # transformers names the dense first layer's MLP block_sparse_moe.*; the Hub files name it mlp.*
@@ -139,13 +144,23 @@ def bench_checkpoint(path: Path, log) -> Path:
     return path
 
 
+def mxfp4_checkpoint(bf16: Path, path: Path, log) -> Path:
+    """``bf16`` with its routed experts in MXFP4 (``k3c quantize``) at ``path``, unless made from it already."""
+    from .checkpoints import quantize
+    stamp = (bf16 / "peer.json").read_text()
+    if not _stamped(path / "peer.json", stamp):
+        quantize(bf16, path, force=True, log=log)
+        (path / "peer.json").write_text(stamp)
+    return path
+
+
 def gguf_files(llama: LlamaCpp, checkpoint: Path, work: Path, log) -> dict[str, Path]:
     """The checkpoint as llama.cpp's converter writes it (bf16) and quantised by llama-quantize with
     the routed experts in MXFP4; written once per checkpoint into ``work``."""
     out = {"bf16": work / "peer-bf16.gguf", "mxfp4": work / "peer-mxfp4-experts.gguf"}
     stamp = work / "peer-gguf.json"
     want = json.dumps({"checkpoint": (checkpoint / "peer.json").read_text(), "llama": llama.root.name})
-    if stamp.is_file() and stamp.read_text() == want and all(p.is_file() for p in out.values()):
+    if _stamped(stamp, want) and all(p.is_file() for p in out.values()):
         return out
     stamp.unlink(missing_ok=True)
     t0 = time.perf_counter()
@@ -243,14 +258,9 @@ def k3c_bundle(path: Path, checkpoint: Path, target, log) -> Path:
 
 def bench_peer(work: Path, target, rounds: int, log) -> dict:
     """The section: both engines, both weight formats, 1 and every thread, ``rounds`` rounds."""
-    from .checkpoints import quantize
     llama = llama_cpp(log)
     ck = {"bf16": bench_checkpoint(work / "peer-kimi-linear-bf16", log)}
-    if not (work / "peer-kimi-linear-mxfp4" / "peer.json").is_file() or \
-            (work / "peer-kimi-linear-mxfp4" / "peer.json").read_text() != (ck["bf16"] / "peer.json").read_text():
-        quantize(ck["bf16"], work / "peer-kimi-linear-mxfp4", force=True, log=log)
-        shutil.copy2(ck["bf16"] / "peer.json", work / "peer-kimi-linear-mxfp4" / "peer.json")
-    ck["mxfp4"] = work / "peer-kimi-linear-mxfp4"
+    ck["mxfp4"] = mxfp4_checkpoint(ck["bf16"], work / "peer-kimi-linear-mxfp4", log)
     ggufs = gguf_files(llama, ck["bf16"], work, log)
     bundles = {fmt: k3c_bundle(work / f"peer-k3c-{fmt}", path, target, log) for fmt, path in ck.items()}
     threads = sorted({1, os.cpu_count() or 1})

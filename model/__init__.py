@@ -3,7 +3,7 @@ and the MXFP4 format it uses are ops/.
 
 The config (``K3Config``, the presets) imports no torch: opening a bundle to run it reads its config
 and needs nothing else of the model. ``K3Model`` and ``K3State`` are imported on first use, which
-loads torch and registers ``torch.ops.k3.*`` (about 3 s on a 2-core host, docs/bundle.md §3)."""
+loads torch and registers ``torch.ops.k3.*`` (about 3 s on a 2-core host, docs/bundle.md §4)."""
 from .config import K3Config
 from .config_keys import ConfigError
 from .presets import PRESETS

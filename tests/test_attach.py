@@ -77,6 +77,13 @@ def stacked_by_hand(checkpoint: Path, cfg: K3Config) -> dict[str, np.ndarray]:
 
 
 # ---- the archive -----------------------------------------------------------------------------------
+def test_archive_item_sizes_are_the_stored_dtypes():
+    """The torch-free reader's item sizes (artifacts/archive.py) are torch's, for every stored dtype."""
+    from k3c.artifacts.archive import ITEMSIZE
+    from k3c.model.checkpoint import TORCH_DTYPES
+    assert ITEMSIZE == {str(d).removeprefix("torch."): d.itemsize for d in TORCH_DTYPES.values()}
+
+
 def test_archive_holds_the_checkpoint_stacked_and_describes_it(tmp_path):
     ckpt = write_checkpoint(tmp_path / "ckpt", seed=3)
     pack(ckpt, tmp_path / "w.irpa", log=lambda _: None)

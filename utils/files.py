@@ -14,7 +14,8 @@ File digests (``sha256_file``): read whole once, then taken from a record under 
 file's size, mtime and ctime are unchanged (docs/bundle.md §4).
 
 Cache entries (``seal_entry``, ``verified_entry``): a directory whose files' sha256 are listed in
-``CONTENTS`` (sha256sum's format); a read re-hashes them and discards an entry that differs. Who
+``CONTENTS`` (sha256sum's format); a read checks them against their sha256 (``sha256_file``) and
+discards an entry that differs. Who
 builds an entry holds its lock (``cache_lock``), so two k3c processes that need one entry build
 it once: the second waits, then reads what the first wrote.
 """
