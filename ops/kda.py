@@ -143,6 +143,30 @@ def kda_step_traced(sym: str, ins: list[TensorType], consts: list) -> list[str]:
     return [trace_to_linalg(kda_recurrent, _named_t(ins), sym)]
 
 
+def recurrent_one(q, k, v, g, beta, S):
+    """kda_recurrent for one token, in the order that reads the state twice and writes it once:
+    with d = exp(g) and S1 = Diag(d) S, both products with S1 are one [2, K] x [K, V] product of
+    S itself, (k d; q d) S = (S1^T k; S1^T q); then u = beta (v - S1^T k), the new state S1 + k u^T
+    in one pass, and o = S^T q from it as S1^T q + (q . k) u, which does not read it again. (The
+    recurrence as written reads the state four times and writes it twice per token.)"""
+    q, k, v, g, beta = (upcast(t[:, 0]) for t in (q, k, v, g, beta))
+    S = upcast(S)
+    d = g.exp()                                                     # [B, H, K]
+    products = (torch.stack((k, q), dim=2) * d.unsqueeze(2)) @ S    # [B, H, 2, V]
+    u = beta.unsqueeze(-1) * (v - products[:, :, 0])
+    S = S * d.unsqueeze(-1) + k.unsqueeze(-1) * u.unsqueeze(-2)
+    o = products[:, :, 1] + (q * k).sum(-1, keepdim=True) * u
+    return o.unsqueeze(1), S
+
+
+def kda_step_one(sym: str, ins: list[TensorType], consts: list) -> list[str]:
+    """``recurrent_one`` traced for a step of one token, else the recurrence as written."""
+    check("kda_step", ins)
+    if ins[0].shape[1] != 1:
+        return kda_step_traced(sym, ins, consts)
+    return [trace_to_linalg(recurrent_one, ins, sym)]
+
+
 def recurrent_v_major(q, k, v, g, beta, S):
     """kda_recurrent with the state held transposed, [B, H, V, K], so that S^T k and S^T q reduce
     over the innermost dim. IREE 3.13's SPIR-V code for the K-major form (S^T k fused with the
@@ -219,6 +243,8 @@ KDA_CHUNK = CustomOp("kda_chunk", {
 })
 KDA_STEP = CustomOp("kda_step", {
     "default": Lowering(kda_step_traced, "recurrent KDA step for decode"),
+    "llvm-cpu": Lowering(kda_step_one, "recurrent KDA step for decode, one token reading the state twice and "
+                                       "writing it once"),
     "vulkan-spirv": Lowering(kda_step_v_major, "recurrent KDA step on the V-major state (SPIR-V: reductions innermost)"),
 })
 TOKEN_SCAN = Lowering(kda_token_scan, "token-by-token KDA baseline")

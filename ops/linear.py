@@ -4,10 +4,11 @@ program reads each weight as stored and widens it where it is multiplied.
 
     default   traced from PyTorch: W widened to x's dtype, then a matmul (IREE fuses the widening
               into the matmul's dispatch)
-    llvm-cpu  one row of x (a decode step) against bf16 W: the streamed matvec
-              (templates/bf16_matvec.mlir), W read where it lies as i32 words of two bf16, 16 partial
-              sums per row with the vector lanes on a parallel dim (IREE's default matvec reads W at a
-              fraction of copy bandwidth). Every other shape: the default.
+    llvm-cpu  up to MAX_ROWS rows of x (a decode step of as many sequences) against bf16 W: the
+              streamed matvec (templates/bf16_matvec.mlir), W read once where it lies as i32 words of
+              two bf16, 16 partial sums per row and output with the vector lanes on a parallel dim,
+              ROWS_PER_TILE rows in a vector tile (IREE's default matvec reads W at a fraction of
+              copy bandwidth: docs/pipeline.md §6). Every other shape: the default.
     cpu:x86-64-v3, cpu:x86-64-v4
               besides the streamed matvec, f32 rows of a dynamic count (prefill) as one
               ``linalg.mmt4d`` on T x T x 1 tiles (templates/linear_tiled.mlir), W widened into its
@@ -67,22 +68,33 @@ def traced(sym: str, ins: list[TensorType], consts: list) -> list[str]:
     return [trace_to_linalg(reference, [x, w], sym)]
 
 
+MAX_ROWS = 32   # most rows of x the streamed matvec takes (a decode step of that many sequences)
+# rows of x per vector tile of the streamed matvec (each row holds 16 f32 partial sums): as many as
+# keep the partial sums in 8 vector registers, 16 lanes each with AVX-512, 8 with AVX2, 4 with SSE
+ROWS_PER_TILE = {"x86-64-v4": 8, "x86-64-v3": 4, "": 2}
+
+
 def streams(ins: list[TensorType]) -> bool:
-    """Whether the streamed matvec takes these operands: one static row of f32 x, bf16 W [O, in],
-    in a multiple of 32."""
+    """Whether the streamed matvec takes these operands: f32 x of static leading dims holding
+    1 to MAX_ROWS rows, bf16 W [O, in], in a multiple of 32."""
     x, w = ins
-    return (None not in x.shape and math.prod(x.shape[:-1]) == 1 and x.dtype == torch.float32
-            and w.dtype == torch.bfloat16 and w.shape[1] % (2 * LANES) == 0)
+    return (None not in x.shape and len(x.shape) >= 2 and 1 <= math.prod(x.shape[:-1]) <= MAX_ROWS
+            and x.dtype == torch.float32 and w.dtype == torch.bfloat16 and w.shape[1] % (2 * LANES) == 0)
 
 
-def streamed(sym: str, ins: list[TensorType], consts: list) -> list[str]:
-    """For llvm-cpu: the streamed matvec where it applies (``streams``), else ``traced``."""
-    check(ins)
-    if not streams(ins):
-        return traced(sym, ins, consts)
-    x, w = ins
-    (O, IN), lead = w.shape, [str(d) for d in x.shape[:-1]]
-    return [render("bf16_matvec.mlir", name=sym, O=O, IN=IN, B=IN // (2 * LANES), LANES=LANES, lead=lead)]
+def streamed(level: str = ""):
+    """For llvm-cpu at a CPU ``level``: the streamed matvec where it applies (``streams``), its rows
+    ``ROWS_PER_TILE[level]`` to a vector tile, else ``traced``."""
+    def generate(sym: str, ins: list[TensorType], consts: list) -> list[str]:
+        check(ins)
+        if not streams(ins):
+            return traced(sym, ins, consts)
+        x, w = ins
+        (O, IN), lead = w.shape, [str(d) for d in x.shape[:-1]]
+        M = math.prod(x.shape[:-1])
+        return [render("bf16_matvec.mlir", name=sym, O=O, IN=IN, B=IN // (2 * LANES), LANES=LANES, lead=lead, M=M,
+                       MV=math.gcd(M, ROWS_PER_TILE[level]))]
+    return generate
 
 
 def tiles(ins: list[TensorType], tile: int) -> bool:
@@ -101,18 +113,19 @@ def tiled(level: str) -> Lowering:
     def generate(sym: str, ins: list[TensorType], consts: list) -> list[str]:
         check(ins)
         if not tiles(ins, tile):
-            return streamed(sym, ins, consts)
+            return streamed(level)(sym, ins, consts)
         x, w = ins
         lead = ["?" if d is None else str(d) for d in x.shape[:-1]]
         return [render("linear_tiled.mlir", name=sym, O=w.shape[0], IN=w.shape[1], lead=lead, dyn=lead.index("?"),
                        wtype="f32" if w.dtype == torch.float32 else "bf16", M0=tile, N0=tile)]
     return Lowering(generate, f"rows of a dynamic count: one {tile}x{tile}x1 mmt4d, W widened into its tiles per "
-                              "call; one row against bf16 W: streamed; else widened, then a matmul")
+                              f"call; up to 32 rows against bf16 W: streamed, {ROWS_PER_TILE[level]} rows a vector "
+                              "tile; else widened, then a matmul")
 
 
 LINEAR = CustomOp("linear", {
     "default": Lowering(traced, "x W^T: W widened to x's dtype, then a matmul"),
-    "llvm-cpu": Lowering(streamed, "one row against bf16 W: W streamed as words of two bf16, 16 partial sums "
-                                   "per row; else widened, then a matmul"),
+    "llvm-cpu": Lowering(streamed(), "up to 32 rows against bf16 W: W streamed once as words of two bf16, 16 "
+                                     "partial sums per row; else widened, then a matmul"),
     **{f"cpu:{level}": tiled(level) for level in TILE},
 })

@@ -82,17 +82,18 @@ def form(decode: str, in_dims: tuple[int, ...]) -> str:
     return "f16" if kind == "native" and native_object(in_dims, level) is None else decode
 
 
-def gemv(name: str, experts: int, out_dim: int, in_dim: int, decode: str) -> str:
-    """``func @name(P [E, O, in/2] i8, S [E, O, in/32] i8, e: index, *activation) -> [1, O]``: expert
-    e's matrix of the stacked weights, read in place, times the activation
+def gemv(name: str, experts: int, out_dim: int, in_dim: int, decode: str, pairs: int = 1) -> str:
+    """``func @name(P [E, O, in/2] i8, S [E, O, in/32] i8, idx [pairs] i64, pair: index, *activation)
+    -> [1, O]``: expert e = idx[pair]'s matrix of the stacked weights, read in place, times the activation
     as ``split`` gives it: ``xe, xo [in/32, 16]`` for "f16" and "int" (templates/mxfp4_gemv.mlir,
     the lanes pinned by a ``compilation_info``), ``xt [in/128, 8, 16]`` for "native"
     (templates/mxfp4_native_gemv.mlir)."""
     if decode.startswith("native:"):
-        return render("mxfp4_native_gemv.mlir", name=name, E=experts, O=out_dim, IN=in_dim,
+        return render("mxfp4_native_gemv.mlir", name=name, E=experts, O=out_dim, IN=in_dim, PAIRS=pairs,
                       object=native_object((in_dim,), decode.partition(":")[2]),
                       ROWS=NATIVE_ROWS, GROUPS=-(-out_dim // NATIVE_ROWS))
-    return render("mxfp4_gemv.mlir", name=name, E=experts, O=out_dim, IN=in_dim, B=in_dim // 32, LANES=LANES, decode=decode)
+    return render("mxfp4_gemv.mlir", name=name, E=experts, O=out_dim, IN=in_dim, B=in_dim // 32, LANES=LANES,
+                  decode=decode, PAIRS=pairs)
 
 
 def split(name: str, width: int, decode: str) -> str:
@@ -116,15 +117,17 @@ def activation(width: int, decode: str) -> list[str]:
     return [f"tensor<{width // 32}x{LANES}xf32>"] * 2
 
 
-def expert_slot(name: str, act_name: str, axpy_name: str, E: int, L: int, I: int, decode: str) -> list[str]:
-    """``func @name(a [1, L], z [1, L], ws [1, 1], e: index, w1p, w1s, w3p, w3s, w2p, w2s) -> a + ws *
-    FFN_e(z)`` for expert e of the stacked weights [E, out, ...] (templates/mxfp4_expert_slot.mlir);
-    ``act_name(g, u)`` and ``axpy_name(a, ws, y)`` are defined elsewhere (traced from PyTorch)."""
+def expert_slot(name: str, act_name: str, axpy_name: str, E: int, L: int, I: int, decode: str,
+                pairs: int) -> list[str]:
+    """``func @name(a [1, L], z [1, L], ws [1, 1], idx [pairs] i64, pair: index, w1p, w1s, w3p, w3s,
+    w2p, w2s) -> a + ws * FFN_e(z)`` for expert e = idx[pair] of the stacked weights [E, out, ...]
+    (templates/mxfp4_expert_slot.mlir); ``act_name(g, u)`` and ``axpy_name(a, ws, y)`` are defined
+    elsewhere (traced from PyTorch)."""
     decode = form(decode, (L, I))
     wrapper = render("mxfp4_expert_slot.mlir", name=name, act=act_name, axpy=axpy_name, E=E, L=L, I=I,
-                     xl=activation(L, decode), xi=activation(I, decode))
+                     xl=activation(L, decode), xi=activation(I, decode), PAIRS=pairs)
     return [split(f"{name}_split_in", L, decode), split(f"{name}_split_hid", I, decode),
-            gemv(f"{name}_up", E, I, L, decode), gemv(f"{name}_down", E, L, I, decode), wrapper]
+            gemv(f"{name}_up", E, I, L, decode, pairs), gemv(f"{name}_down", E, L, I, decode, pairs), wrapper]
 
 
 def matvec_module(out_dim: int, in_dim: int, decode: str) -> str:

@@ -134,8 +134,9 @@ def by_slot(sym: str, ins: list[TensorType], slot, ranged: bool = False, stacked
     """Decode form of ``func @sym(z [N, L], idx [N, k], w [N, k], *weights [E, ...]) -> [N, L]``
     (templates/mxfp4_moe_by_slot.mlir); ``slot(name, types)`` gives the texts defining ``func
     @name(a [1, L], rows [1, L], ws [1, 1], *weight slices [1, ...]) -> a + ws * FFN(rows)`` (e.g.
-    ``traced_slot(ffn)``), or where ``stacked`` ``func @name(a, rows, ws, e: index, *weights [E,
-    ...])`` for expert e. The weights may be of any kind the slot takes (the bench passes bf16).
+    ``traced_slot(ffn)``), or where ``stacked`` ``func @name(a, rows, ws, idx [N * k], pair: index,
+    *weights [E, ...])`` for expert idx[pair], which the slot reads on the device. The weights may be
+    of any kind the slot takes (the bench passes bf16).
     ``ranged``: pairs whose expert is outside [0, E) are skipped (module docstring)."""
     z, idx, w, *weights = ins
     N, k, L = z.shape[0], idx.shape[1], z.shape[1]  # experts map L -> L
@@ -144,7 +145,8 @@ def by_slot(sym: str, ins: list[TensorType], slot, ranged: bool = False, stacked
     one = [m["one"] for m in walked]
     wrapper = render("mxfp4_moe_by_slot.mlir", sym=sym, z=z, idx=idx, w=w, weights=walked, one=one,
                      row=row, wt=wt, out=TensorType((N, L), z.dtype), N=N, k=k, L=L, ranged=ranged, stacked=stacked)
-    return [*slot(sym + "_slot", [row, row, wt, *(weights if stacked else one)]), wrapper]
+    flat = TensorType((N * k,), idx.dtype)
+    return [*slot(sym + "_slot", [row, row, wt, *([flat, *weights] if stacked else one)]), wrapper]
 
 
 UNROLL = 32  # most experts in one straight-line run of the prefill form (k3-small's 32: no loop)
@@ -240,14 +242,15 @@ def by_expert(sym: str, ins: list[TensorType], expert, ranged: bool = False) -> 
 
 def _streamed_slot(nibbles: str, act: str, beta1: float, beta2: float):
     """The slot as mxfp4_gemv's matvecs on the packed weights, stacked and whole (the matvecs read
-    expert e's rows in place), with the activation and the weighted add traced from PyTorch."""
+    expert idx[pair]'s rows in place), with the activation and the weighted add traced from PyTorch."""
     def slot(name: str, types: list[TensorType]) -> list[str]:
-        row, _, wt, w1p, *_ = types
+        row, _, wt, flat, w1p, *_ = types
         E, L, I = w1p.shape[0], row.shape[1], w1p.shape[1]
         hid = TensorType((1, I), row.dtype)
         act_fn = trace_to_linalg(lambda g, u: glu_act(act, beta1, beta2, g, u), [hid, hid], name + "_act")
         axpy = trace_to_linalg(lambda a, ws, y: a + ws * y, [row, wt, row], name + "_axpy")
-        return [act_fn, axpy, *mxfp4_gemv.expert_slot(name, name + "_act", name + "_axpy", E, L, I, nibbles)]
+        return [act_fn, axpy, *mxfp4_gemv.expert_slot(name, name + "_act", name + "_axpy", E, L, I, nibbles,
+                                                      flat.shape[0])]
     return slot
 
 

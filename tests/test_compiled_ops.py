@@ -226,21 +226,32 @@ def as_numpy(w: torch.Tensor) -> np.ndarray:
     return w.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
 
 
-@pytest.mark.parametrize("target, O, I", [cpu_target(t, *case) for t in CPU_TARGETS
-                                           for case in [(48, 96), (40, 64), (16, 32)]])
-def test_linear_streamed_matvec_matches_float64(target, O, I):
-    """One row against bf16 W, as decode runs every projection on the CPU, on every CPU level: the
-    streamed matvec (3 tiles of 16 rows x 3 blocks of 32; a row count that is no multiple of 16;
-    one of each)."""
+@pytest.mark.parametrize("target, O, I, rows", [cpu_target(t, *case) for t in CPU_TARGETS
+                                                 for case in [(48, 96, 1), (40, 64, 3), (16, 32, 8)]])
+def test_linear_streamed_matvec_matches_float64(target, O, I, rows):
+    """A decode step's rows against bf16 W, as the CPU runs every projection of a step of one or
+    of several pooled sequences, on every CPU level: the streamed matvec (3 tiles of 16 outputs x
+    3 blocks of 32, one row; an output count that is no multiple of 16, 3 rows, fewer than a vector
+    tile at the AVX2 and AVX-512 levels; one of each, 8 rows: a whole tile at AVX-512, two at AVX2)."""
     from k3c.ops.base import TensorType
     from k3c.ops.linear import streams
 
-    x, w = bf16_linear_inputs(1, O, I, seed=O + I)
+    x, w = bf16_linear_inputs(rows, O, I, seed=O + I)
     assert streams([TensorType(tuple(x.shape), x.dtype), TensorType(tuple(w.shape), w.dtype)])
     y = compile_op(torch.ops.k3.linear, (x, w), target=target)(x.numpy(), as_numpy(w))
     ref = linear_reference(x, w)
     scale = (x.double().abs() @ w.double().abs().T).numpy()   # sum of |x_i w_i|: the f32 rounding's scale
     np.testing.assert_array_less(np.abs(y - ref), 1e-6 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("target", [cpu_target(t) for t in CPU_TARGETS])
+def test_linear_streamed_rows_do_not_depend_on_each_other(target):
+    """A row's result is the same bits with 7 others beside it as alone: a sequence's projections in
+    a pooled step of 8 are its projections alone (templates/bf16_matvec.mlir)."""
+    x, w = bf16_linear_inputs(8, 48, 96, seed=1)
+    eight = compile_op(torch.ops.k3.linear, (x, w), target=target)(x.numpy(), as_numpy(w))
+    one = compile_op(torch.ops.k3.linear, (x[:, 2:3], w), target=target)(x[:, 2:3].numpy(), as_numpy(w))
+    np.testing.assert_array_equal(eight[:, 2:3], one)
 
 
 @pytest.mark.parametrize("target, O, rank, f32_weight", [

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from k3c.model.kda import lowerbound_gate, short_conv, softplus_gate
-from k3c.ops.kda import kda_chunked, kda_recurrent
+from k3c.ops.kda import kda_chunked, kda_recurrent, recurrent_one
 
 H, K, V = 3, 16, 24  # V != K so a transposed state cannot pass
 LOWER_BOUND = -5.0
@@ -82,6 +82,27 @@ def test_chunked_equals_recurrent_and_fla(T, fla_naive, fla_gates):
         assert o.shape == (1, T, H, V) and S.shape == (1, H, K, V), name
         torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-5, msg=lambda m: f"{name} output: {m}")
         torch.testing.assert_close(S, S_ref, rtol=0, atol=1e-5, msg=lambda m: f"{name} state: {m}")
+
+
+def test_one_token_step_equals_the_recurrence_and_fla(fla_naive, fla_gates):
+    """recurrent_one (the CPU's decode step: two products with the state in one, the output from
+    the update) is the recurrence's step, three sequences at once: in float64 the same numbers
+    (a rearrangement of the same sums), and each sequence fla's recurrence within fp32 rounding
+    (fla computes in fp32)."""
+    steps = [kda_inputs(1, seed=s) for s in (1, 2, 3)]
+    q, k, v, z, beta, S0 = (torch.cat(parts).double() for parts in zip(*steps))
+    A_log, dt_bias = gate_params(4)
+    g = lowerbound_gate(z, A_log, dt_bias, LOWER_BOUND)
+    o, S = recurrent_one(q * K ** -0.5, k, v, g, beta, S0)
+    o_rec, S_rec = kda_recurrent(q * K ** -0.5, k, v, g, beta, S0)
+    torch.testing.assert_close(o, o_rec, rtol=0, atol=1e-13)
+    torch.testing.assert_close(S, S_rec, rtol=0, atol=1e-13)
+    for b in range(3):
+        o_ref, S_ref = fla_naive.naive_recurrent_kda(q[b:b + 1], k[b:b + 1], v[b:b + 1], g[b:b + 1], beta[b:b + 1],
+                                                     scale=K ** -0.5, initial_state=S0[b:b + 1],
+                                                     output_final_state=True)
+        torch.testing.assert_close(o[b:b + 1], o_ref.double(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(S[b:b + 1], S_ref.double(), rtol=0, atol=1e-6)
 
 
 def test_chunked_matches_fla_naive_chunk(fla_naive, fla_gates):

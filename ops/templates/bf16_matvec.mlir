@@ -1,44 +1,47 @@
-{#- The streamed bf16 matvec (ops/linear.py streamed): y [1, .., 1, O] = W x for one row x
-    [1, .., 1, IN] f32 and W [O, IN] bf16, read where it lies. W is seen as i32 words, each the bf16
-    pair of elements 2i (low half) and 2i + 1 (high half), [O, IN/32, 16]; x is split once into its
-    even and odd elements xe, xo [IN/32, 16] in a small op of its own. One linalg.generic keeps 16
-    partial sums per row (vector lanes on the word position in a 32-element block, a parallel dim)
-    and reduces over the blocks; a second sums the 16. A bf16 widens to f32 exactly by its bits: the
-    low half shifted left by 16, the high half with the low masked off. The two products per step
-    keep the generic from being matched as a contraction (which IREE 3.13 lowers to scalar code
-    here: 0.45x its default matvec). -#}
+{#- The streamed bf16 matvec (ops/linear.py streamed): y [lead.., O] = W x for M rows x [lead.., IN]
+    f32 (M the product of the static leading dims: one for a decode step, B for a step of B
+    sequences) and W [O, IN] bf16, read where it lies, once for all M rows. W is seen as i32 words,
+    each the bf16 pair of elements 2i (low half) and 2i + 1 (high half), [O, IN/32, 16]; x is split
+    once into its even and odd elements xe, xo [M, IN/32, 16] in a small op of its own. One
+    linalg.generic keeps 16 partial sums per row and output (vector lanes on the word position in a
+    32-element block, a parallel dim; MV rows in one vector tile, so each word of W meets MV rows
+    while it is in a register) and reduces over the blocks; a second sums the 16. Every row is
+    summed in the same order whatever M is, so a row's result does not depend on the rows beside it.
+    A bf16 widens to f32 exactly by its bits: the low half shifted left by 16, the high half with the
+    low masked off. The two products per step keep the generic from being matched as a contraction
+    (which IREE 3.13 lowers to scalar code here: 0.45x its default matvec). -#}
 {% set xs = "tensor<%sxf32>" % "x".join(lead + [IN|string]) %}
 {% set ys = "tensor<%sxf32>" % "x".join(lead + [O|string]) %}
-{% set all = "[" + ", ".join(range(lead|length + 1)|map("string")) + "]" %}
-{% set half = "tensor<%dx%dxf32>" % (B, LANES) %}
+{% set all = "[" + ", ".join(range(lead|length)|map("string")) + "], [" + (lead|length)|string + "]" %}
+{% set half = "tensor<%dx%dx%dxf32>" % (M, B, LANES) %}
 {% set words = "tensor<%dx%dx%dxi32>" % (O, B, LANES) %}
-{% set part = "tensor<%dx%dxf32>" % (O, LANES) %}
+{% set part = "tensor<%dx%dx%dxf32>" % (M, O, LANES) %}
 module {
   func.func @{{ name }}(%x: {{ xs }}, %W: tensor<{{ O }}x{{ IN }}xbf16>) -> {{ ys }} {
     %zero = arith.constant 0.0 : f32
-    %x1 = tensor.collapse_shape %x [{{ all }}] : {{ xs }} into tensor<{{ IN }}xf32>
-    %x3 = tensor.expand_shape %x1 [[0, 1, 2]] output_shape [{{ B }}, {{ LANES }}, 2] : tensor<{{ IN }}xf32> into tensor<{{ B }}x{{ LANES }}x2xf32>
-    %xe0 = tensor.empty() : tensor<2x{{ B }}x{{ LANES }}xf32>
-    %xt = linalg.generic {indexing_maps = [affine_map<(k, b, j) -> (b, j, k)>, affine_map<(k, b, j) -> (k, b, j)>],
-                         iterator_types = ["parallel", "parallel", "parallel"]}
-        ins(%x3 : tensor<{{ B }}x{{ LANES }}x2xf32>) outs(%xe0 : tensor<2x{{ B }}x{{ LANES }}xf32>) {
+    %x1 = tensor.collapse_shape %x [{{ all }}] : {{ xs }} into tensor<{{ M }}x{{ IN }}xf32>
+    %x3 = tensor.expand_shape %x1 [[0], [1, 2, 3]] output_shape [{{ M }}, {{ B }}, {{ LANES }}, 2] : tensor<{{ M }}x{{ IN }}xf32> into tensor<{{ M }}x{{ B }}x{{ LANES }}x2xf32>
+    %xe0 = tensor.empty() : tensor<2x{{ M }}x{{ B }}x{{ LANES }}xf32>
+    %xt = linalg.generic {indexing_maps = [affine_map<(k, m, b, j) -> (m, b, j, k)>, affine_map<(k, m, b, j) -> (k, m, b, j)>],
+                         iterator_types = ["parallel", "parallel", "parallel", "parallel"]}
+        ins(%x3 : tensor<{{ M }}x{{ B }}x{{ LANES }}x2xf32>) outs(%xe0 : tensor<2x{{ M }}x{{ B }}x{{ LANES }}xf32>) {
     ^bb0(%v: f32, %o: f32):
       linalg.yield %v : f32
-    } -> tensor<2x{{ B }}x{{ LANES }}xf32>
-    %xe = tensor.extract_slice %xt[0, 0, 0] [1, {{ B }}, {{ LANES }}] [1, 1, 1] : tensor<2x{{ B }}x{{ LANES }}xf32> to {{ half }}
-    %xo = tensor.extract_slice %xt[1, 0, 0] [1, {{ B }}, {{ LANES }}] [1, 1, 1] : tensor<2x{{ B }}x{{ LANES }}xf32> to {{ half }}
+    } -> tensor<2x{{ M }}x{{ B }}x{{ LANES }}xf32>
+    %xe = tensor.extract_slice %xt[0, 0, 0, 0] [1, {{ M }}, {{ B }}, {{ LANES }}] [1, 1, 1, 1] : tensor<2x{{ M }}x{{ B }}x{{ LANES }}xf32> to {{ half }}
+    %xo = tensor.extract_slice %xt[1, 0, 0, 0] [1, {{ M }}, {{ B }}, {{ LANES }}] [1, 1, 1, 1] : tensor<2x{{ M }}x{{ B }}x{{ LANES }}xf32> to {{ half }}
     %Wi = tensor.bitcast %W : tensor<{{ O }}x{{ IN }}xbf16> to tensor<{{ O }}x{{ IN }}xi16>
     %Wp = tensor.expand_shape %Wi [[0], [1, 2]] output_shape [{{ O }}, {{ IN // 2 }}, 2] : tensor<{{ O }}x{{ IN }}xi16> into tensor<{{ O }}x{{ IN // 2 }}x2xi16>
     %Ww = flow.tensor.bitcast %Wp : tensor<{{ O }}x{{ IN // 2 }}x2xi16> -> tensor<{{ O }}x{{ IN // 2 }}xi32>
     %W3 = tensor.expand_shape %Ww [[0], [1, 2]] output_shape [{{ O }}, {{ B }}, {{ LANES }}] : tensor<{{ O }}x{{ IN // 2 }}xi32> into {{ words }}
     %e = tensor.empty() : {{ part }}
     %f = linalg.fill ins(%zero : f32) outs(%e : {{ part }}) -> {{ part }}
-    %part = linalg.generic {indexing_maps = [affine_map<(o, j, b) -> (o, b, j)>, affine_map<(o, j, b) -> (b, j)>,
-                                            affine_map<(o, j, b) -> (b, j)>, affine_map<(o, j, b) -> (o, j)>],
-                           iterator_types = ["parallel", "parallel", "reduction"]}
+    %part = linalg.generic {indexing_maps = [affine_map<(m, o, j, b) -> (o, b, j)>, affine_map<(m, o, j, b) -> (m, b, j)>,
+                                            affine_map<(m, o, j, b) -> (m, b, j)>, affine_map<(m, o, j, b) -> (m, o, j)>],
+                           iterator_types = ["parallel", "parallel", "parallel", "reduction"]}
         ins(%W3, %xe, %xo : {{ words }}, {{ half }}, {{ half }}) outs(%f : {{ part }})
-        {#- lanes on the 16 word positions, 16 rows per distributed tile, the block loop tiled by 1 #}
-        attrs = {compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<distribution = [16, {{ LANES }}, 0], vector_common_parallel = [1, {{ LANES }}, 0], vector_reduction = [0, 0, 1]>, translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>} {
+        {#- all M rows and 16 outputs per distributed tile, MV rows and the lanes of one output per vector tile, the block loop tiled by 1 #}
+        attrs = {compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<distribution = [{{ M }}, 16, {{ LANES }}, 0], vector_common_parallel = [{{ MV }}, 1, {{ LANES }}, 0], vector_reduction = [0, 0, 0, 1]>, translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>} {
     ^bb0(%w: i32, %a: f32, %b: f32, %acc: f32):
       %c16 = arith.constant 16 : i32
       %high = arith.constant -65536 : i32
@@ -52,16 +55,16 @@ module {
       %r = arith.addf %acc, %t2 : f32
       linalg.yield %r : f32
     } -> {{ part }}
-    %e2 = tensor.empty() : tensor<{{ O }}xf32>
-    %f2 = linalg.fill ins(%zero : f32) outs(%e2 : tensor<{{ O }}xf32>) -> tensor<{{ O }}xf32>
-    %sum = linalg.generic {indexing_maps = [affine_map<(o, j) -> (o, j)>, affine_map<(o, j) -> (o)>],
-                          iterator_types = ["parallel", "reduction"]}
-        ins(%part : {{ part }}) outs(%f2 : tensor<{{ O }}xf32>) {
+    %e2 = tensor.empty() : tensor<{{ M }}x{{ O }}xf32>
+    %f2 = linalg.fill ins(%zero : f32) outs(%e2 : tensor<{{ M }}x{{ O }}xf32>) -> tensor<{{ M }}x{{ O }}xf32>
+    %sum = linalg.generic {indexing_maps = [affine_map<(m, o, j) -> (m, o, j)>, affine_map<(m, o, j) -> (m, o)>],
+                          iterator_types = ["parallel", "parallel", "reduction"]}
+        ins(%part : {{ part }}) outs(%f2 : tensor<{{ M }}x{{ O }}xf32>) {
     ^bb0(%v: f32, %acc: f32):
       %r = arith.addf %acc, %v : f32
       linalg.yield %r : f32
-    } -> tensor<{{ O }}xf32>
-    %y = tensor.expand_shape %sum [{{ all }}] output_shape [{{ (lead + [O|string])|join(", ") }}] : tensor<{{ O }}xf32> into {{ ys }}
+    } -> tensor<{{ M }}x{{ O }}xf32>
+    %y = tensor.expand_shape %sum [{{ all }}] output_shape [{{ (lead + [O|string])|join(", ") }}] : tensor<{{ M }}x{{ O }}xf32> into {{ ys }}
     return %y : {{ ys }}
   }
 }

@@ -1,4 +1,4 @@
-{#- The streamed MXFP4 matvec (ops/mxfp4_gemv.py gemv): y [1, O] = W x with W expert e's packed
+{#- The streamed MXFP4 matvec (ops/mxfp4_gemv.py gemv): y [1, O] = W x with W expert e = idx[pair]'s packed
     codes P [E, O, IN/2] and E8M0 scales S [E, O, IN/32] (sliced in place), x split into its even and odd elements xe, xo
     [IN/32, 16]. One linalg.generic keeps 16 partial sums per row (lanes on the byte position j),
     reducing over the blocks b; a second sums the 16. The nibble decode is `decode` ("f16" or
@@ -35,8 +35,10 @@
 {% set part = "tensor<%dx%dxf32>" % (O, LANES) %}
 {% set y = "tensor<%dxf32>" % O %}
 module {
-  func.func @{{ name }}(%P_all: {{ pk_all }}, %S_all: {{ sc_all }}, %expert: index, %xe: {{ xt }}, %xo: {{ xt }}) -> tensor<1x{{ O }}xf32> {
+  func.func @{{ name }}(%P_all: {{ pk_all }}, %S_all: {{ sc_all }}, %idx: tensor<{{ PAIRS }}xi64>, %pair: index, %xe: {{ xt }}, %xo: {{ xt }}) -> tensor<1x{{ O }}xf32> {
     %zero = arith.constant 0.0 : f32
+    %e64 = tensor.extract %idx[%pair] : tensor<{{ PAIRS }}xi64>
+    %expert = arith.index_cast %e64 : i64 to index
     %P = tensor.extract_slice %P_all[%expert, 0, 0] [1, {{ O }}, {{ IN // 2 }}] [1, 1, 1] : {{ pk_all }} to {{ pk }}
     %S = tensor.extract_slice %S_all[%expert, 0, 0] [1, {{ O }}, {{ B }}] [1, 1, 1] : {{ sc_all }} to {{ sc }}
     %P2 = tensor.collapse_shape %P [[0, 1], [2]] : {{ pk }} into tensor<{{ O }}x{{ IN // 2 }}xi8>

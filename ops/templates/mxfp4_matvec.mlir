@@ -7,11 +7,12 @@
 {% set acts = xt | join(", ") %}
 module {
   func.func private @split({{ x }}) -> ({{ acts }})
-  func.func private @gemv({{ pk }}, {{ sc }}, index, {{ acts }}) -> {{ y }}
+  func.func private @gemv({{ pk }}, {{ sc }}, tensor<1xi64>, index, {{ acts }}) -> {{ y }}
   func.func @main(%P: {{ pk }}, %S: {{ sc }}, %x: {{ x }}) -> {{ y }} {
     %h:{{ xt | length }} = func.call @split(%x) : ({{ x }}) -> ({{ acts }})
     %c0 = arith.constant 0 : index
-    %y = func.call @gemv(%P, %S, %c0, {% for t in xt %}%h#{{ loop.index0 }}{{ ", " if not loop.last }}{% endfor %}) : ({{ pk }}, {{ sc }}, index, {{ acts }}) -> {{ y }}
+    %first = arith.constant dense<0> : tensor<1xi64>
+    %y = func.call @gemv(%P, %S, %first, %c0, {% for t in xt %}%h#{{ loop.index0 }}{{ ", " if not loop.last }}{% endfor %}) : ({{ pk }}, {{ sc }}, tensor<1xi64>, index, {{ acts }}) -> {{ y }}
     return %y : {{ y }}
   }
 }
