@@ -650,7 +650,6 @@ def bench(quick, json_out, plot_out, only, work, threads, target, compile_layers
     With RUNS and --markdown, only writes the page of those runs."""
     import dataclasses
     import shlex
-    from .compiler.devices import check_device
     from .compiler.targets import parse_target
     from .interface.bench import FULL, QUICK, run_bench
     from .utils.files import write_atomic
@@ -672,7 +671,6 @@ def bench(quick, json_out, plot_out, only, work, threads, target, compile_layers
     if tgt.backend != "llvm-cpu":
         raise K3Error(f"bench: --target {target}: the bench compares compiled CPU modules with PyTorch on this "
                       f"CPU; give cpu or cpu:<level>")
-    check_device(tgt)
     with spinner("bench: current step"):
         result = run_bench(sizes, Path(work), only, target=target, threads=threads, log=log)
     result["targets"] = targets(result["sections"])

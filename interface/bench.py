@@ -60,6 +60,7 @@ from .bench_devices import bench_devices
 from .bench_peer import bench_peer
 from .bench_report import SECTIONS
 from ..compiler import cpu as cpu_levels
+from ..compiler.devices import check_device
 from ..compiler.targets import Target, parse_target
 from ..ops import OPS, mxfp4_gemv
 from ..ops.linear import TILE
@@ -458,9 +459,12 @@ def bench_compile(cfg: K3Config, sizes: Sizes, target: Target, work: Path, log) 
 
 # ---- the whole run ------------------------------------------------------------------------------
 def use_threads(n: int) -> None:
-    """n threads for PyTorch and for IREE's local-task workers alike (before IREE's first device).
-    On a small shared machine one thread each keeps the comparison fair: threads that wait on each
-    other under load from other processes slow eager PyTorch by up to 10x."""
+    """n threads for PyTorch and for IREE's local-task workers alike. IREE reads the worker count
+    when the process first creates its local-task driver (listing the driver's devices creates it
+    too: compiler/devices.py), and keeps it: called after that, it leaves every IREE call on all
+    cores (k3-small decode ran 1.5x faster than on one). On a small shared machine one thread each
+    keeps the comparison fair: threads that wait on each other under load from other processes slow
+    eager PyTorch by up to 10x."""
     torch.set_num_threads(n)
     rt.flags.parse_flags(f"--task_topology_group_count={n}")
 
@@ -470,9 +474,10 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
     side; the JSON-ready results."""
     sections = sections or sizes.sections
     use_threads(threads)
+    tgt = parse_target(target)
+    check_device(tgt)     # after use_threads: it creates the driver (use_threads)
     keep_freed_heap()   # for the compiled side, as a Session does; eager PyTorch allocates from it too
     copy = Copy(sizes.copy_bytes, threads) if {"decode", "moe"} & set(sections) else None
-    tgt = parse_target(target)
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     cfg = K3Config.preset(sizes.preset)
