@@ -235,6 +235,28 @@ DEVICES = click.option("--devices", default=1, show_default=True, type=click.Int
                             "over them, the rest on the first (README, \"Past one device\").")
 
 
+def pool_options(f):
+    f = click.option("--slot-context", default=None, type=click.IntRange(min=2),
+                     help="Tokens each sequence of the pool holds (with --max-batch; default the model's "
+                          "max_position_embeddings).")(f)
+    f = click.option("--max-batch", default=None, type=click.IntRange(min=1),
+                     help="For k3c serve: a pool of this many sequences on the device and decode steps over "
+                          "1, 2, 4 ... up to all of them at once (docs/usage.md §5).")(f)
+    return f
+
+
+def _pool(max_batch, slot_context, preset, checkpoint):
+    """The sequence pool the pool options ask for (None without --max-batch)."""
+    if max_batch is None:
+        if slot_context:
+            raise K3Error("compile: --slot-context sizes the pool of --max-batch; give --max-batch")
+        return None
+    from .exporter.entry_points import Pool
+    from .model.config import K3Config
+    cfg = K3Config.from_hf(checkpoint) if checkpoint else K3Config.preset(preset or "k3-tiny")
+    return Pool(context=slot_context or cfg.max_position_embeddings, max_batch=max_batch)
+
+
 def _target(spec: str, devices: int):
     """``--target`` over ``--devices`` (a K3Error for a bad one, before any slow import)."""
     from .compiler.targets import on_devices, parse_target
@@ -305,9 +327,10 @@ def export(preset, checkpoint, seed, max_prompt, fmt, output, emit_mlir, config_
                    "(built from shapes on the meta device; the way to compile the full k3). k3c attach "
                    "gives it the weights of any checkpoint of that config.")
 @DEVICES
+@pool_options
 @FORCE
 def compile_cmd(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, config_dir, no_weights, devices,
-                force):
+                max_batch, slot_context, force):
     """Compile a checkpoint or preset for a target; writes a bundle (manifest, module, packed weights,
     checkpoint, reference.npz). The model is compiled from shapes and the weights packed one tensor at
     a time, so a checkpoint larger than memory compiles too (without reference outputs). The default
@@ -318,14 +341,18 @@ def compile_cmd(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, 
         tgt = _target(target, devices)
         from .interface.build import build_module_only
         cfg = load_config(None if config_dir else preset, config_dir or checkpoint)
+        pool = _pool(max_batch, slot_context, None if config_dir else preset, config_dir or checkpoint)
         name = Path(config_dir or checkpoint or "").name or preset or "k3-tiny"
         out = Path(output) if output else Path("out") / f"{_out_name(name, tgt)}-module"
         with spinner("compile: current step"):
-            click.echo(str(build_module_only(out, cfg, tgt, max_prompt=max_prompt, force=force or not output,
-                                             log=log)))
+            click.echo(str(build_module_only(out, cfg, tgt, max_prompt=max_prompt, pool=pool,
+                                             force=force or not output, log=log)))
         return
+    if onnx_dir and max_batch:
+        raise K3Error("compile: --max-batch takes --preset or --checkpoint (the ONNX programs have no pool)")
+    pool = None if onnx_dir else _pool(max_batch, slot_context, *one_source(preset, checkpoint))
     with spinner("compile: current step"):
-        bundle = _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, force, devices)
+        bundle = _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir, force, devices, pool)
     click.echo(str(bundle.root))
 
 
@@ -365,7 +392,7 @@ def pack(checkpoint, output):
     pack_archive(checkpoint_dir(checkpoint), Path(output), log=log)
 
 
-def _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir=None, force=False, devices=1):
+def _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir=None, force=False, devices=1, pool=None):
     if onnx_dir and (preset or checkpoint):
         raise K3Error("compile: --onnx brings its own weights; drop --preset/--checkpoint")
     if onnx_dir and devices > 1:
@@ -381,7 +408,7 @@ def _build(preset, checkpoint, seed, max_prompt, target, output, onnx_dir=None, 
     if onnx_dir:
         return build_bundle_from_onnx(out, tgt, Path(onnx_dir), force=force, log=log)
     return build_bundle(out, tgt, preset=preset, checkpoint=Path(checkpoint) if checkpoint else None,
-                        seed=seed, max_prompt=max_prompt, force=force, log=log)
+                        seed=seed, max_prompt=max_prompt, pool=pool, force=force, log=log)
 
 
 def parse_ids(ctx, param, value: str | None) -> list[int] | None:
@@ -489,8 +516,8 @@ def run(bundle, prompt, prompt_ids, chat, system, max_new_tokens, temperature, t
 @click.option("--api-key", default=None, envvar="K3C_API_KEY",
               help="Answer /v1/ requests only with 'Authorization: Bearer KEY' (or $K3C_API_KEY).")
 @click.option("--model", "model_name", default=None, help="The model name clients use (default: the bundle's directory name).")
-@click.option("--max-active", default=8, show_default=True, type=click.IntRange(1),
-              help="Sequences that take turns on the device.")
+@click.option("--max-active", default=None, type=click.IntRange(1),
+              help="Sequences in flight at once (default: the bundle's --max-batch, else 8).")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0),
               help="Requests that may wait for a place; more get 429.")
 def serve(bundle, host, port, api_key, model_name, max_active, max_queue):

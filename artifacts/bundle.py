@@ -37,7 +37,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ..errors import K3Error
-from ..exporter.entry_points import ENTRY_POINTS, REQUIRED
+from ..exporter.entry_points import ENTRY_POINTS, REQUIRED, Pool
 from .archive import first_table_difference, read_archive, verify_archive
 from ..model.config import K3Config
 from ..utils.files import MARKER, digest_of, files_under, hash_dir, inside, recover, sha256_file
@@ -72,6 +72,7 @@ class Manifest:
     weights: str                    # "weights.irpa", an absolute path to an archive, or "" (the checkpoint's tensors)
     weights_digest: str = ""        # an archive outside the bundle: archive.Archive.digest
     no_reference: str = ""          # why there is no reference.npz ("" when there is one)
+    pool: dict = field(default_factory=dict)         # the sequence pool (entry_points.Pool), {} for none
     files: dict = field(default_factory=dict)        # relative path -> sha256
     packages: dict = field(default_factory=package_versions)
     format: int = FORMAT
@@ -104,6 +105,11 @@ class Manifest:
             raise K3Error("field 'target' has no list of strings 'flags'")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.get("files", {}).items()):
             raise K3Error("field 'files' must map file names to sha256 strings")
+        pool = raw.get("pool", {})   # empty, or entry_points.Pool's fields
+        if pool and (sorted(pool) != sorted(Pool.__dataclass_fields__)
+                     or not all(type(v) is int and v >= 1 for v in pool.values())):
+            raise K3Error(f"field 'pool' must be empty or hold positive integers "
+                          f"{', '.join(sorted(Pool.__dataclass_fields__))}")
         return cls(**raw)
 
 
@@ -126,14 +132,15 @@ def stored_dtypes(checkpoint: Path):
     return {name: TORCH_DTYPES[e.dtype] for name, e in ckpt.entries.items()}
 
 
-def module_facts(config_hash: str, parameters: dict, target: dict, max_prompt: int, batch: int = 1) -> dict[str, str]:
+def module_facts(config_hash: str, parameters: dict, target: dict, max_prompt: int, batch: int = 1,
+                 pool: dict | None = None) -> dict[str, str]:
     """What a compiled module is valid for, as strings: stamped into its entry points' reflection
     metadata at compile time (build.stamp) and compared with the manifest on open. ``parameters``:
-    the table of what it reads (archive.ParameterTable)."""
+    the table of what it reads (archive.ParameterTable); ``pool``: its sequence pool, if any."""
     table = json.dumps(parameters, sort_keys=True)
     return {"k3c.config": config_hash, "k3c.parameters": hashlib.sha256(table.encode()).hexdigest()[:16],
             "k3c.target": json.dumps(target, sort_keys=True), "k3c.batch": str(batch),
-            "k3c.max_prompt": str(max_prompt)}
+            "k3c.max_prompt": str(max_prompt), **({"k3c.pool": json.dumps(pool, sort_keys=True)} if pool else {})}
 
 
 @dataclass
@@ -159,6 +166,11 @@ class Bundle:
         """The parameter archive the module reads (None: an ONNX bundle reads its checkpoint)."""
         w = self.manifest.weights
         return None if not w else Path(w) if Path(w).is_absolute() else self.root / w
+
+    @property
+    def pool(self) -> Pool | None:
+        """The module's sequence pool for serving (None: compiled without one)."""
+        return Pool(**self.manifest.pool) if self.manifest.pool else None
 
     @property
     def parameter_files(self) -> list[Path]:
@@ -325,14 +337,15 @@ def check_module(bundle: Bundle) -> None:
     import iree.runtime as rt  # deferred heavy import (~1.5 s): only opening a bundle reads its module
 
     m = bundle.manifest
-    want = module_facts(m.config_hash, m.parameters, m.target, m.max_prompt, m.batch)
+    want = module_facts(m.config_hash, m.parameters, m.target, m.max_prompt, m.batch, m.pool)
+    names = ENTRY_POINTS + (bundle.pool.entry_points() if bundle.pool else ())
     try:
         module = rt.VmModule.copy_buffer(rt.VmInstance(), bundle.module_path.read_bytes())
-        found = {name: module.lookup_function(name) for name in ENTRY_POINTS}
+        found = {name: module.lookup_function(name) for name in names}
     except (RuntimeError, ValueError) as e:
         raise K3Error(f"bundle: {bundle.module_path} is not an IREE module ({str(e).splitlines()[0][:200]})") from None
     for name, fn in found.items():
-        if fn is None and name in REQUIRED:
+        if fn is None and (name in REQUIRED or name not in ENTRY_POINTS):
             raise K3Error(f"bundle: {bundle.module_path} has no entry point {name!r}")
         if fn is None:
             continue

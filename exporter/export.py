@@ -42,7 +42,7 @@ from ..model.stacking import LayerRun, layer_groups, layer_runs, place, program_
 from ..ops.base import TensorType
 from ..utils.quiet import leafspec_deprecation_silenced
 from .devices import shard_experts
-from .entry_points import ENTRY_POINTS
+from .entry_points import ENTRY_POINTS, MOVE, PUT, Pool, pooled_decode
 from .layers import LayerBody, RunBody, running
 from .parameters import declare_parameter, load_parameter
 
@@ -66,16 +66,20 @@ class Program(nn.Module):
     """One entry point over the whole model: the embedding, the layers as runs (model/stacking.py
     ``layer_runs``: a run that repeats is one ``k3x.layer_loop`` over its ``RunBody``, a single layer
     is its RunBody called once), the output AttnRes, norm and lm_head. ``mode``: "prefill" starts a
-    sequence, "extend" continues one by a prompt piece, "decode" feeds one token. Only the tensors
+    sequence, "extend" continues one by a prompt piece, "decode" feeds one token, "pooled" feeds one
+    token to each of ``batch`` sequences of different lengths (``PooledDecode``). Only the tensors
     outside the layers are its own (named as in the checkpoint). Over several ``devices`` every layer
     is a run of its own (no loop: IREE 3.13's iree-stream-elide-timepoints fails on a loop whose body
     moves tensors between devices)."""
 
-    def __init__(self, model: K3Model, mode: str, devices: int = 1, bodies: dict[str, "LayerBody"] | None = None):
+    def __init__(self, model: K3Model, mode: str, devices: int = 1, bodies: dict[str, "LayerBody"] | None = None,
+                 batch: int = 1):
         super().__init__()
         self.bodies = bodies or {}   # body key -> LayerBody (``layer_bodies``): what the placeholders run eagerly
         cfg = self.cfg = model.cfg
         self.mode, self.slots, self.places, self.devices = mode, model.slots, place(cfg), devices
+        self.batch = batch
+        self.name = pooled_decode(batch) if mode == "pooled" else mode   # the entry point's name
         self.model = nn.Module()
         for name in ("embed_tokens", "norm", "output_attn_res_proj", "output_attn_res_norm"):
             if hasattr(model.model, name):
@@ -83,16 +87,20 @@ class Program(nn.Module):
         self.lm_head = model.lm_head
         self.kinds = [k for k in ("kda", "mla") if k in cfg.layer_kinds]
         self.state_names = [s for k in self.kinds for s in STATE_OF[k]]
+        self.given_names = self.state_names + (["valid"] if mode == "pooled" else [])
         self.slots_of = {k: cfg.layer_kinds.count(k) for k in self.kinds}
         self.rows = sum(map(cfg.closes_block, range(cfg.num_hidden_layers))) + 1
         self.runs = {}
         runs = layer_runs(cfg) if devices == 1 else [LayerRun(i, 1, 1) for i in range(cfg.num_hidden_layers)]
         for i, run in enumerate(runs):
-            key = f"{mode}.{i}"
+            key = f"{self.name}.{i}"
             self.runs[key] = RunBody(self, run, key)
 
     def body(self, group: str, kind: str) -> str:
-        """Each entry point calls bodies of its own (``BODY_FORMS``)."""
+        """Each entry point calls bodies of its own (``BODY_FORMS``; a pooled decode step of B
+        sequences, ``pooled_form(B)``)."""
+        if self.mode == "pooled":
+            return f"{group}.{pooled_form(self.batch)}"
         return f"{group}.start" if self.mode == "prefill" and kind == "mla" else f"{group}.{self.mode}"
 
     def new_state(self, p: torch.Tensor, given: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -122,7 +130,7 @@ class Program(nn.Module):
             else:
                 carry = list(torch.ops.k3x.layer_loop(carry, list(given), body.run.count, key))
         E, p, *out = carry
-        if given and "mla" in self.kinds:
+        if given and "mla" in self.kinds and self.mode != "pooled":
             # one copy of each cache, at the end: the layers only read the caches given (model/mla.py)
             i = self.state_names.index("mla_cache")
             out[i] = torch.cat((given[i], out[i]), dim=2)
@@ -136,6 +144,66 @@ class Program(nn.Module):
 
 
 STATE_OF = {"kda": ("kda_conv", "kda_S"), "mla": ("mla_cache",)}
+
+
+class PooledDecode(Program):
+    """``decode_b<B>`` (entry_points.Pool): one decode step of the B sequences in slots 0 to B - 1 of
+    the pool. The pool's tensors are the last arguments, stacked per state name as the entry points
+    take a state, with a slot axis after the layer axis ([n_kda, slots, ...], MLA caches [n_mla,
+    slots, context, W]); they are updated in place (export makes them module globals:
+    ``pool_globals``). The step reads the first B slots' state where it lies (a contiguous slice:
+    the first L rows of each MLA cache, ``valid`` marking those each sequence has), and writes the
+    new KDA windows and S back over it and each token's MLA cache row at its sequence's position
+    (the number of rows ``valid`` marks). A gather and scatter of the slots by index instead runs
+    at a fifth of copy speed in IREE 3.13 (docs/pipeline.md §8)."""
+
+    def __init__(self, model: K3Model, batch: int, bodies: dict[str, "LayerBody"] | None = None):
+        super().__init__(model, "pooled", bodies=bodies, batch=batch)
+
+    def forward(self, tokens, valid, *pool):
+        B, L = valid.shape
+        positions = (valid != 0).sum(-1)
+        given = [t[:, :B, :L] if s == "mla_cache" else t[:, :B] for s, t in zip(self.state_names, pool)]
+        logits, *new = super().forward(tokens, *given, valid)
+        for s, t, n in zip(self.state_names, pool, new):
+            if s == "mla_cache":
+                layers = torch.arange(t.shape[0], device=t.device).unsqueeze(1)
+                rows = torch.arange(B, device=t.device).unsqueeze(0)
+                t.index_put_((layers, rows, positions.unsqueeze(0)), n[:, :, 0])
+            else:
+                t[:, :B] = n
+        return logits
+
+
+class PutSequence(nn.Module):
+    """``put_sequence(slot [1], *state)``: one sequence's state, as prefill and extend return it
+    (stacked per name, batch 1, MLA caches of its L tokens), written into its slot of the pool (the
+    last arguments, as ``PooledDecode`` takes them), in place."""
+
+    def __init__(self, state_names: list[str]):
+        super().__init__()
+        self.state_names = state_names
+
+    def forward(self, slot, *tensors):
+        n = len(self.state_names)
+        for s, state, t in zip(self.state_names, tensors[:n], tensors[n:]):
+            layers = torch.arange(t.shape[0], device=t.device).view(-1, 1)
+            if s == "mla_cache":
+                rows = torch.arange(state.shape[2], device=t.device).view(1, -1)
+                t.index_put_((layers, slot.view(1, 1), rows), state[:, 0])
+            else:
+                t.index_put_((layers, slot.view(1, 1)), state)
+
+
+class MoveSequence(nn.Module):
+    """``move_sequence(src [1], dst [1])``: the state in slot src of the pool (the last arguments)
+    copied into slot dst, in place: how the serving engine keeps its sequences in the first slots
+    when one of them finishes."""
+
+    def forward(self, src, dst, *pool):
+        for t in pool:
+            layers = torch.arange(t.shape[0], device=t.device).view(-1, 1)
+            t.index_put_((layers, dst.view(1, 1)), t[layers, src.view(1, 1)])
 
 
 def stacked_state(state) -> list[torch.Tensor]:
@@ -185,6 +253,16 @@ class _ParameterHooks(FxImporterHooks):
 # body form -> (decode step?, attention kinds it exists for): MLA starts a sequence without a cache
 BODY_FORMS = {"start": (False, ("mla",)), "prefill": (False, ("kda",)), "extend": (False, ("kda", "mla")),
               "decode": (True, ("kda", "mla"))}
+
+
+def pooled_form(batch: int) -> str:
+    """The body form of a pooled decode step of ``batch`` sequences (MLA bodies take ``valid``)."""
+    return f"b{batch}"
+
+
+def body_forms(batches=()) -> dict[str, tuple[bool, tuple[str, ...]]]:
+    """BODY_FORMS and the pooled decode forms of ``batches``."""
+    return {**BODY_FORMS, **{pooled_form(b): (True, ("kda", "mla")) for b in batches}}
 
 
 def example_state(model: K3Model, batch: int, length: int) -> list[torch.Tensor]:
@@ -255,12 +333,12 @@ def layer_entry_points(cfg, batch: int, max_prompt: int, rows: int) -> dict[str,
 
 
 def layer_bodies(model: K3Model, stored: dict[str, torch.dtype] | None = None,
-                 weights: bool = False) -> dict[str, LayerBody]:
-    """One LayerBody per layer group and form (``BODY_FORMS``) under its key "<group>.<form>", for a
-    Program's placeholders to call (with ``weights``, eagerly)."""
+                 weights: bool = False, batches=()) -> dict[str, LayerBody]:
+    """One LayerBody per layer group and form (``body_forms(batches)``) under its key
+    "<group>.<form>", for a Program's placeholders to call (with ``weights``, eagerly)."""
     made = {}
     for group in layer_groups(model.cfg).values():
-        for form, (decode, kinds) in BODY_FORMS.items():
+        for form, (decode, kinds) in body_forms(batches).items():
             if group.attention in kinds:
                 body = LayerBody(model, group, decode, stored, weights)
                 made[f"{group.name}.{form}"] = body
@@ -275,10 +353,37 @@ def _export(module: nn.Module, args: tuple, dynamic: tuple, what: str, timings: 
     return program
 
 
+def _body_example(model: K3Model, key: str, body: LayerBody, batch: int, rows: int, T: Dim, L: Dim):
+    """Example arguments (E, at, j, *state) of a layer body and their dynamic dims: a prompt piece
+    of T tokens or one decode token per sequence, at ``batch`` sequences (a pooled form's own)."""
+    form = key.rsplit(".", 1)[1]
+    decode = BODY_FORMS[form][0] if form in BODY_FORMS else True
+    batch = batch if form in BODY_FORMS else int(form.removeprefix("b"))
+    cfg = model.cfg
+    state = [t.to("meta") for t in example_state(model, batch, 2)]
+    E = torch.zeros(rows, batch, 1 if decode else 2, cfg.hidden_size, dtype=model.dtype, device="meta")
+    at = torch.zeros(2, dtype=torch.int32, device="meta")
+    if body.group.attention == "kda":
+        st, dims = [state[0][0], state[1][0]], ({}, {})
+    elif form == "start":
+        st, dims = [], ()
+    elif form in BODY_FORMS:
+        st, dims = [state[-1][0]], ({1: L},)
+    else:   # pooled: the longest sequence's cache rows, and which of them each sequence has
+        st, dims = [state[-1][0], torch.ones(batch, 2, dtype=torch.long, device="meta")], ({1: L}, {1: L})
+    return (E, at, 0, *st), ({} if decode else {2: T}, None, Dim.DYNAMIC) + ((dims,) if dims else ())
+
+
+def pool_example(model: K3Model, pool: Pool) -> list[torch.Tensor]:
+    """The pool's tensors (``PooledDecode``) on the meta device: the state of its slots' sequences."""
+    return [t.to("meta") for t in example_state(model, pool.slots, pool.context)]
+
+
 def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None, *, batch: int = 1,
-                   max_prompt: int = 128, devices: int = 1, log=print):
+                   max_prompt: int = 128, devices: int = 1, pool: Pool | None = None, log=print):
     """torch.export of the entry points (``Program``: prefill T in [1, max_prompt], extend T and the
-    MLA cache length L dynamic, decode L dynamic) and of one body per layer group and form
+    MLA cache length L dynamic, decode L dynamic; with a ``pool``, ``PutSequence`` and a
+    ``PooledDecode`` per batch size, L dynamic) and of one body per layer group and form
     (exporter/layers.py), and of one iteration of each repeating layer run (``RunBody``).
     Returns ({entry: program}, {body key: (program, LayerBody)}, {run key: program}, timings).
     The model may live on the meta device: nothing here reads a weight. Over several ``devices`` the
@@ -300,32 +405,46 @@ def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None,
     state = [t.to("meta") for t in example_state(model, batch, 2)]
     kinds = [k for k in ("kda", "mla") if k in cfg.layer_kinds]
     state_dims = tuple({} if s != "mla_cache" else {2: L} for k in kinds for s in STATE_OF[k])
+    batches = pool.batches if pool else ()
     programs, bodies, runs = {}, {}, {}
     with torch.no_grad():
         # bodies first: the entry points' placeholders run them when traced
         rows = Program(model, "prefill", devices).rows
-        made = layer_bodies(model, stored)
+        made = layer_bodies(model, stored, batches=batches)
         for key, body in made.items():
-            decode = BODY_FORMS[key.rsplit(".", 1)[1]][0]
-            E = torch.zeros(rows, batch, 1 if decode else 2, cfg.hidden_size, dtype=model.dtype, device="meta")
-            at = torch.zeros(2, dtype=torch.int32, device="meta")
-            if body.group.attention == "kda":
-                st, dims = [state[0][0], state[1][0]], ({}, {})
-            elif key.endswith(".start"):
-                st, dims = [], ()
-            else:
-                st, dims = [state[-1][0]], ({1: L},)
-            dyn = ({} if decode else {2: T}, None, Dim.DYNAMIC) + ((dims,) if dims else ())
-            bodies[key] = (_export(body, (E, at, 0, *st), dyn, f"body {key}", timings, log), body)
+            args, dyn = _body_example(model, key, body, batch, rows, T, L)
+            bodies[key] = (_export(body, args, dyn, f"body {key}", timings, log), body)
         inputs = {"prefill": (tokens,), "extend": (tokens, *state), "decode": (tokens[:, :1], *state)}
         dims = {"prefill": ({1: T},), "extend": ({1: T}, state_dims), "decode": (None, state_dims)}
-        for mode in ENTRY_POINTS:
-            program = Program(model, mode, devices, made)
-            programs[mode] = _export(program, inputs[mode], dims[mode], mode, timings, log)
+        made_programs = [(Program(model, mode, devices, made), inputs[mode], dims[mode]) for mode in ENTRY_POINTS]
+        if pool:
+            cached = pool_example(model, pool)
+            Lp = Dim("L", min=1, max=pool.context - 1)
+            for b in batches:
+                valid = torch.ones(b, 2, dtype=torch.long, device="meta")
+                step = torch.zeros(b, 1, dtype=torch.long, device="meta")
+                made_programs.append((PooledDecode(model, b, made), (step, valid, *cached),
+                                      (None, {1: Lp}, (None,) * len(cached))))
+        for program, args, dyn in made_programs:
+            programs[program.name] = _export(program, args, dyn, program.name, timings, log)
+            if program.mode == "pooled":
+                b = program.batch
+                args = (args[0], *example_state(model, b, 2), torch.ones(b, 2, dtype=torch.long))
+                args = tuple(t.to("meta") for t in args)
             for key, run in program.runs.items():
                 if run.run.count > 1:
                     with running({**made, **program.runs}):
-                        runs[key] = _export(run, *_run_example(program, inputs[mode], T, L), f"run {key}", timings, log)
+                        runs[key] = _export(run, *_run_example(program, args, T, L), f"run {key}", timings, log)
+        if pool:
+            put = PutSequence(Program(model, "decode").state_names)
+            Lc = Dim("L", min=1, max=pool.context)
+            slot = torch.zeros(1, dtype=torch.long, device="meta")
+            programs[PUT] = _export(put, (slot, *state, *cached),
+                                    (None, (*({2: Lc} if s == "mla_cache" else None for s in put.state_names),
+                                            *(None,) * len(cached))), PUT, timings, log)
+            # two tensors: given one twice, torch.export makes src and dst one argument
+            ends = (torch.zeros(1, dtype=torch.long, device="meta"), torch.ones(1, dtype=torch.long, device="meta"))
+            programs[MOVE] = _export(MoveSequence(), (*ends, *cached), None, MOVE, timings, log)
     return programs, bodies, runs, timings
 
 
@@ -336,15 +455,15 @@ def _run_example(program: Program, inputs: tuple, T: Dim, L: Dim) -> tuple[tuple
     B, t, D = p.shape
     new = program.new_state(p, given)
     carry = [p.new_zeros(program.rows, B, t, D), p, *new]
-    seq = program.mode != "decode"                         # T is dynamic
+    seq = program.mode not in ("decode", "pooled")          # T is dynamic
     carry_dims = [{2: T} if seq else {}, {1: T} if seq else {}]
     carry_dims += [{2: T} if s == "mla_cache" and seq else {} for s in program.state_names]
     if program.mode == "prefill":
         carry.append(p.new_zeros(program.cfg.num_hidden_layers, B, t, D))
         carry_dims.append({2: T})
-    given_dims = [{2: L} if s == "mla_cache" else {} for s in program.state_names] if given else []
+    given_dims = [{2: L} if s == "mla_cache" else {1: L} if s == "valid" else {} for s in program.given_names]
     k = torch.zeros(1, dtype=torch.long, device="meta")
-    return (k, *carry, *given), (None, (*carry_dims, *given_dims))
+    return (k, *carry, *given), (None, (*carry_dims, *given_dims[:len(given)]))
 
 
 class _Prefill(nn.Module):
@@ -401,15 +520,19 @@ def trace_entry_points(model: K3Model, *, batch: int = 1, max_prompt: int = 128,
 
 
 def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch: int = 1,
-                 max_prompt: int = 128, devices: int = 1, log=print) -> ExportedModule:
+                 max_prompt: int = 128, devices: int = 1, pool: Pool | None = None, log=print) -> ExportedModule:
     """Export the entry points and layer bodies of ``model`` (its compute dtype; weights real or on
     the meta device) into one torch-dialect module whose parameters are the program's (model/stacking.py),
     read at their stored dtypes (``stored_dtypes``: checkpoint tensor name -> dtype on disk), for a
-    program over ``devices`` devices (the routed experts split: exporter/devices.py)."""
+    program over ``devices`` devices (the routed experts split: exporter/devices.py), with a
+    sequence ``pool`` for serving (entry_points.Pool)."""
     cfg = model.cfg
+    if pool and devices > 1:
+        raise K3Error("export: a sequence pool (--max-batch) is for one device; this program spans "
+                      f"{devices}")
     stored = program_dtypes(cfg, stored_dtypes)
     programs, bodies, runs, timings = trace_programs(model, stored, batch=batch, max_prompt=max_prompt,
-                                                     devices=devices, log=log)
+                                                     devices=devices, pool=pool, log=log)
     with torch.no_grad():
         t0 = time.perf_counter()
         table = get_decomposition_table()
@@ -431,9 +554,11 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         hooks.names = {}
         for key, program in runs.items():
             importer.import_program(program, func_name=run_function(key), func_visibility="private")
+        hooks.names = {n: n for n, _ in Program(model, "decode", devices).named_parameters()}
         for name, program in programs.items():
-            hooks.names = {n: n for n, _ in Program(model, name, devices).named_parameters()}
             importer.import_program(program, func_name=name)
+        if pool:
+            pool_globals(importer.module, Program(model, "decode").state_names)
     meta_devices_to_cpu(importer.module)
     importer.module.operation.verify()
     timings["import_s"] = time.perf_counter() - t0
@@ -449,7 +574,78 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         "state": shapes,
         **layer_entry_points(cfg, batch, max_prompt, Program(model, "prefill").rows),
     }
+    if pool:
+        pooled = example_state(model, pool.slots, pool.context)
+        entry_points["pool"] = ", ".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in pooled)
+        entry_points[PUT] = f"(slot [1] int64, state... of one sequence, L<= {pool.context}) -> ()"
+        entry_points[MOVE] = "(src [1] int64, dst [1] int64) -> ()"
+        for b in pool.batches:
+            entry_points[pooled_decode(b)] = (f"(tokens [{b}, 1] int64, valid [{b}, L< {pool.context}] int64) "
+                                              f"-> (logits [{b}, 1, {V}] f32), slots 0 to {b - 1}")
     return ExportedModule(importer.module, entry_points, max_prompt, batch)
+
+
+POOL_GLOBAL = "k3c_pool_{}"   # the module global holding the pool's stack of one state name
+
+
+def pool_globals(module: ir.Module, state_names: list[str]) -> None:
+    """The pool arguments of the entry points (``PooledDecode``, ``PutSequence``: torch-mlir imports
+    an argument the program updates in place as a ``!torch.tensor``, read by ``torch.copy.to_vtensor``
+    and written by ``torch.overwrite.tensor.contents``) become mutable module globals, zero at load,
+    one per state name and shared by every entry point: loaded and stored where the argument was
+    read and overwritten. IREE 3.13 updates a global in place; an argument updated in place it
+    copies whole, twice, on every call (docs/pipeline.md §8)."""
+    with module.context, ir.Location.unknown():
+        made = set()
+        for f in [op for op in module.body.operations if op.operation.name == "func.func"]:
+            block = f.regions[0].blocks[0]
+            pooled = [a for a in block.arguments if str(a.type).startswith("!torch.tensor")]
+            if not pooled:
+                continue
+            if len(pooled) != len(state_names):
+                raise K3Error(f"export: {len(pooled)} arguments updated in place, expected the pool's "
+                              f"{len(state_names)}")
+            for arg, name in zip(pooled, state_names):
+                vtensor = ir.Type.parse(str(arg.type).replace("!torch.tensor", "!torch.vtensor", 1))
+                builtin = TensorType.of([vtensor])[0].builtin
+                symbol = POOL_GLOBAL.format(name)
+                if symbol not in made:
+                    zero = ir.FloatAttr.get(builtin.element_type, 0.0)
+                    with ir.InsertionPoint.at_block_begin(module.body):
+                        ir.Operation.create("util.global", attributes={
+                            "sym_name": ir.StringAttr.get(symbol), "sym_visibility": ir.StringAttr.get("private"),
+                            "type": ir.TypeAttr.get(builtin), "is_mutable": ir.UnitAttr.get(),
+                            "initial_value": ir.DenseElementsAttr.get_splat(builtin, zero)})
+                    made.add(symbol)
+                ref = ir.FlatSymbolRefAttr.get(symbol)
+                for use in list(arg.uses):
+                    op = use.owner
+                    with ir.InsertionPoint(op), op.location:
+                        if op.name == "torch.copy.to_vtensor":
+                            loaded = ir.Operation.create("util.global.load", results=[builtin],
+                                                         attributes={"global": ref}).result
+                            op.results[0].replace_all_uses_with(ir.Operation.create(
+                                "torch_c.from_builtin_tensor", results=[vtensor], operands=[loaded]).result)
+                        elif op.name == "torch.overwrite.tensor.contents":
+                            value = ir.Operation.create("torch_c.to_builtin_tensor", results=[builtin],
+                                                        operands=[op.operands[0]]).result
+                            ir.Operation.create("util.global.store", operands=[value], attributes={"global": ref})
+                        else:
+                            raise K3Error(f"export: the pool argument {name} is used by {op.name}")
+                    op.erase()
+            ftype = ir.FunctionType(ir.TypeAttr(f.attributes["function_type"]).value)
+            keep = [a.arg_number for a in block.arguments if a not in pooled]
+            for arg in reversed(pooled):
+                block.erase_argument(arg.arg_number)
+            results = list(ftype.results)
+            if [str(t) for t in results] == ["!torch.none"]:   # put_sequence, move_sequence: nothing
+                ret = next(op for op in block.operations if op.operation.name == "func.return")
+                with ir.InsertionPoint(ret):
+                    func_d.ReturnOp([])
+                ret.operation.erase()
+                results = []
+            f.attributes["function_type"] = ir.TypeAttr.get(
+                ir.FunctionType.get([ftype.inputs[i] for i in keep], results))
 
 
 def meta_devices_to_cpu(module: ir.Module) -> None:

@@ -82,6 +82,19 @@ def _(E, at, j, cache, body):
     return E.new_empty(E.shape[1:]), cache.new_empty(B, E.shape[2], W)
 
 
+@torch.library.custom_op("k3x::mla_layer_slots", mutates_args=())
+def mla_layer_slots(E: Tensor, at: Tensor, j: int, cache: Tensor, valid: Tensor, body: str) -> tuple[Tensor, Tensor]:
+    """One MLA layer's decode step over sequences of different lengths: cache [B, L, W] of the
+    longest, valid [B, L] marking each sequence's rows -> (p, the new rows [B, 1, W])."""
+    return tuple(t.clone() for t in _code(body)(E, at, j, cache, valid))
+
+
+@mla_layer_slots.register_fake
+def _(E, at, j, cache, valid, body):
+    B, L, W = cache.shape
+    return E.new_empty(E.shape[1:]), cache.new_empty(B, E.shape[2], W)
+
+
 @torch.library.custom_op("k3x::mla_layer_start", mutates_args=())
 def mla_layer_start(E: Tensor, at: Tensor, j: int, width: int, body: str) -> Tensor:
     """One MLA layer starting a sequence (no cache before) -> [p | cache], [B, T, D + width]: one
@@ -135,8 +148,8 @@ class LayerStep(nn.Module):
             conv, S = state
             a, conv_out, S = layer.self_attn(h, conv.unbind(1), S, self.decode)
             new_state = (torch.stack(conv_out, dim=1), S)
-        else:
-            a, latent = layer.self_attn(h, state[0] if state else None, self.decode)
+        else:   # state: (), (cache,) or, decoding sequences of different lengths, (cache, valid)
+            a, latent = layer.self_attn(h, state[0] if state else None, self.decode, *state[1:])
             new_state = (latent,)
         if not self.attn_res:
             p = p + a
@@ -244,7 +257,8 @@ class RunBody(nn.Module):
     state (docs/pipeline.md §5: such reads inside a loop came back wrong on Vulkan), except in a
     program over several devices, which has no loop (``forward``). The carry is
     (E, p, *new state stacks[, hidden]); ``given`` are the state stacks the entry point received
-    (none in prefill). New state is written into its stack at the layer's slot (for MLA the cache
+    (none in prefill), named by ``program.given_names`` (a decode step of pooled sequences also
+    gives ``valid``, each sequence's cache rows, for the MLA layers). New state is written into its stack at the layer's slot (for MLA the cache
     rows of the T tokens: the entry point appends them to the given caches at the end)."""
 
     def __init__(self, program, run, key: str):
@@ -274,7 +288,7 @@ class RunBody(nn.Module):
         E, p = tensors[:2]
         new = dict(zip(names, tensors[2:2 + len(names)]))
         hidden = tensors[2 + len(names)] if program.mode == "prefill" else None
-        given = dict(zip(names, tensors[2 + len(names) + (hidden is not None):]))
+        given = dict(zip(program.given_names, tensors[2 + len(names) + (hidden is not None):]))
         # a run of one iteration is called once, outside any loop: its positions are constants
         iteration = 0 if self.run.count == 1 else _bounded(k.item(), self.run.count)   # the loop's counter
         # each layer's row [n, close, slot, i], gathered at row k of a table on k's device: the
@@ -303,7 +317,10 @@ class RunBody(nn.Module):
                 new["kda_conv"] = _put(new["kda_conv"], conv, slot)
                 new["kda_S"] = _put(new["kda_S"], S, slot)
             else:
-                if given:
+                if "valid" in given:
+                    p, cache = torch.ops.k3x.mla_layer_slots(E, at, j, given["mla_cache"].select(0, slot),
+                                                             given["valid"], body)
+                elif given:
                     p, cache = torch.ops.k3x.mla_layer(E, at, j, given["mla_cache"].select(0, slot), body)
                 else:
                     p, cache = torch.ops.k3x.mla_layer_start(E, at, j, cfg.mla_cache_width, body).split(

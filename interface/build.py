@@ -35,12 +35,13 @@ from ..model.stacking import to_checkpoint
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
 from ..compiler.targets import Target, compile_mlir
-from ..exporter.entry_points import ENTRY_POINTS
+from ..exporter.entry_points import Pool
 from ..utils.files import atomic_dir, cache_dir, cache_lock, check_output, hash_dir, seal_entry, verified_entry
 from ..artifacts.archive import ParameterTable, first_table_difference, read_archive, verify_archive
 from ..artifacts.pack import checkpoint_table, pack
 from ..artifacts.bundle import (ARCHIVE, FORMAT, MODULE, REFERENCE, Bundle, Manifest, check_archive_fits,
                                 first_difference, module_facts, open_bundle, open_module, package_versions, seal)
+from ..runtimes.device_fit import mib, pool_tensors
 from ..runtimes.tokenizer import TOKENIZER_FILES, load_tokenizer, write_byte_level_tokenizer
 
 # The validation prompt (prefill in one call, then DECODE_STEPS greedy steps): 600 tokens cross the
@@ -76,14 +77,14 @@ def cache_key(**parts) -> str:
 
 
 def export_cached(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt: int, batch: int = 1,
-                  devices: int = 1, log=print):
+                  devices: int = 1, pool: Pool | None = None, log=print):
     """The torch-dialect module (before passes) and its entry points, from the cache when the config,
-    dtypes, shapes, device count, k3c sources and package versions match; exported (and cached)
-    otherwise."""
+    dtypes, shapes, device count, sequence pool, k3c sources and package versions match; exported
+    (and cached) otherwise."""
     cached = cache_dir() / "export" / cache_key(
         config=model.cfg.hash, dtypes={k: str(v) for k, v in sorted(dtypes.items())}, max_prompt=max_prompt,
         batch=batch, source=source_hash(EXPORT_SOURCES), versions=package_versions(),
-        **({"devices": devices} if devices > 1 else {}))
+        **({"devices": devices} if devices > 1 else {}), **({"pool": pool.to_dict()} if pool else {}))
     with cache_lock(cached, log):
         if verified_entry(cached, ("torch.mlir", "entry_points.json"), log):
             log(f"exported module found in cache ({cached})")
@@ -91,7 +92,8 @@ def export_cached(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt:
             module = ir.Module.parse((cached / "torch.mlir").read_text(), context=ir.Context())
             return module, json.loads((cached / "entry_points.json").read_text())
         from ..exporter.export import export_model
-        exported = export_model(model, dtypes, batch=batch, max_prompt=max_prompt, devices=devices, log=log)
+        exported = export_model(model, dtypes, batch=batch, max_prompt=max_prompt, devices=devices, pool=pool,
+                                log=log)
         with atomic_dir(cached) as tmp:
             (tmp / "torch.mlir").write_text(exported.text)
             (tmp / "entry_points.json").write_text(json.dumps(exported.entry_points))
@@ -100,12 +102,13 @@ def export_cached(model: K3Model, dtypes: dict[str, torch.dtype], *, max_prompt:
 
 
 def compile_model(model: K3Model, dtypes: dict[str, torch.dtype], target: Target, *, max_prompt: int,
-                  batch: int = 1, log=print) -> Compiled:
+                  batch: int = 1, pool: Pool | None = None, log=print) -> Compiled:
     """Export (once per config, shared by every target), lower and compile ``model`` (its weights
-    unread: the meta device will do) for ``target``, or fetch the compiled module from the cache."""
+    unread: the meta device will do) for ``target`` (with a sequence ``pool`` for serving: the
+    entry points of exporter/entry_points.Pool), or fetch the compiled module from the cache."""
     key = cache_key(config=model.cfg.hash, dtypes={k: str(v) for k, v in sorted(dtypes.items())},
                     target=target.to_dict(), max_prompt=max_prompt, batch=batch, source=source_hash(),
-                    versions=package_versions(), bundle_format=FORMAT)
+                    versions=package_versions(), bundle_format=FORMAT, **({"pool": pool.to_dict()} if pool else {}))
     cached = cache_dir() / key
     files = ("module.vmfb", "entry_points.json", "parameters.json")
     with cache_lock(cached, log):
@@ -114,11 +117,12 @@ def compile_model(model: K3Model, dtypes: dict[str, torch.dtype], target: Target
             return Compiled(*(f.read_bytes() if f.suffix == ".vmfb" else json.loads(f.read_text())
                               for f in (cached / name for name in files)), key)
         module, entry_points = export_cached(model, dtypes, max_prompt=max_prompt, batch=batch,
-                                             devices=target.devices, log=log)
+                                             devices=target.devices, pool=pool, log=log)
         from ..passes.pipeline import Pipeline
         Pipeline.for_target(target).run(module, log=log)
         parameters = module_parameters(module)
-        stamp(module, module_facts(model.cfg.hash, parameters, target.to_dict(), max_prompt, batch))
+        stamp(module, module_facts(model.cfg.hash, parameters, target.to_dict(), max_prompt, batch,
+                                   pool.to_dict() if pool else {}))
         vmfb = compile_mlir(str(module), target, log=log)
         with atomic_dir(cached) as tmp:
             (tmp / "module.vmfb").write_bytes(vmfb)
@@ -148,13 +152,15 @@ def module_parameters(module) -> ParameterTable:
 
 
 def stamp(module, facts: dict[str, str]) -> None:
-    """Put ``facts`` (bundle.module_facts) into the reflection metadata of the module's entry points,
-    where iree-compile keeps them and the verifier of a bundle reads them back (bundle.check_module)."""
+    """Put ``facts`` (bundle.module_facts) into the reflection metadata of the module's public
+    functions (its entry points), where iree-compile keeps them and the verifier of a bundle reads
+    them back (bundle.check_module)."""
     from iree.compiler import ir
     with module.context:
         attr = ir.DictAttr.get({k: ir.StringAttr.get(v) for k, v in facts.items()})
         for op in module.body.operations:
-            if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value in ENTRY_POINTS:
+            if op.operation.name == "func.func" and ("sym_visibility" not in op.attributes or
+                                                     ir.StringAttr(op.attributes["sym_visibility"]).value == "public"):
                 op.attributes["iree.reflection"] = attr
 
 
@@ -201,16 +207,19 @@ def write_reference(dest: Path, checkpoint: Path, max_prompt: int, log) -> str:
 
 
 def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkpoint: Path | None = None,
-                 seed: int = 0, max_prompt: int = DEFAULT_MAX_PROMPT, force: bool = True, log=print) -> Bundle:
+                 seed: int = 0, max_prompt: int = DEFAULT_MAX_PROMPT, pool: Pool | None = None,
+                 force: bool = True, log=print) -> Bundle:
     """Write a sealed bundle at ``out``. With ``preset``, a random checkpoint (``seed``) is created
     inside the bundle; with ``checkpoint`` (any layout model/checkpoint.py reads), the bundle refers
     to it by absolute path and hash and packs it as it is (no converted copy). The model is compiled
-    from shapes, so a checkpoint too large for memory is built too, without reference outputs.
-    ``out`` follows utils.files.check_output (``force``: replace a bundle written before)."""
+    from shapes, so a checkpoint too large for memory is built too, without reference outputs; with
+    a sequence ``pool`` for serving (exporter/entry_points.Pool). ``out`` follows
+    utils.files.check_output (``force``: replace a bundle written before)."""
     if (preset is None) == (checkpoint is None):
         raise K3Error("compile: give exactly one of --preset and --checkpoint")
     checkpoint = None if checkpoint is None else checkpoint_dir(checkpoint)
     out = check_output(out, force=force, inputs=(checkpoint,))
+    check_pool(pool, K3Config.preset(preset) if preset else K3Config.from_hf(checkpoint), target)
     t_start = time.perf_counter()
     with atomic_dir(out, force=force) as tmp:
         if preset is not None:
@@ -227,15 +236,37 @@ def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkp
         pack(ck_dir, tmp / ARCHIVE, checkpoint_hash=ck_hash, devices=target.devices, log=log)  # reads every tensor: bad data fails first
         carry_tokenizer(tmp / "tokenizer", None if preset is not None else ck_dir, model.cfg.vocab_size, log)
         dtypes = {name: TORCH_DTYPES[e.dtype] for name, e in ckpt.entries.items()}
-        compiled = compile_model(model.eval(), dtypes, target, max_prompt=max_prompt, log=log)
+        compiled = compile_model(model.eval(), dtypes, target, max_prompt=max_prompt, pool=pool, log=log)
+        log_pool(pool, compiled.entry_points, log)
         if problem := first_table_difference(compiled.parameters, table):
             raise K3Error(f"compile: checkpoint {ck_dir} {problem}")
         manifest = Manifest(config=model.cfg.to_dict(), config_hash=model.cfg.hash, checkpoint_hash=ck_hash,
                             checkpoint=ck_ref, target=target.to_dict(), entry_points=compiled.entry_points, batch=1,
-                            max_prompt=max_prompt, parameters=compiled.parameters, weights=ARCHIVE)
+                            max_prompt=max_prompt, parameters=compiled.parameters, weights=ARCHIVE,
+                            pool=pool.to_dict() if pool else {})
         _assemble(tmp, compiled.vmfb, manifest, ck_dir, log)
     log(f"bundle written to {out} in {time.perf_counter() - t_start:.1f}s")
     return open_bundle(out)
+
+
+def check_pool(pool: Pool | None, cfg: K3Config, target: Target) -> None:
+    """A K3Error when ``pool`` does not fit the model or the target: a slot holds at most the
+    model's context, and the pool is for one device."""
+    if pool is None:
+        return
+    if target.devices > 1:
+        raise K3Error(f"compile: --max-batch builds a sequence pool on one device; --devices {target.devices} "
+                      "spans several")
+    if not 2 <= pool.context <= cfg.max_position_embeddings:
+        raise K3Error(f"compile: --slot-context {pool.context} must lie in [2, {cfg.max_position_embeddings}] "
+                      "(the model's max_position_embeddings)")
+
+
+def log_pool(pool: Pool | None, entry_points: dict, log) -> None:
+    """Say what the sequence pool holds on the device (its size is set by --slot-context)."""
+    if pool:
+        size = sum(b for _, b in pool_tensors(entry_points))
+        log(f"sequence pool: {pool.max_batch} sequences of {pool.context:,} tokens, {mib(size)} on the device")
 
 
 def _assemble(tmp: Path, vmfb: bytes, manifest: Manifest, ck_dir: Path, log) -> None:
@@ -316,20 +347,22 @@ def export_mlir(out: Path, cfg: K3Config, target: Target, *, dtypes: dict[str, t
         f"in {time.perf_counter() - t0:.1f}s, peak RSS {max(peak0, _peak_rss()) / 2**20:.0f} MiB")
 
 
-def build_module_only(out: Path, cfg: K3Config, target: Target, *, max_prompt: int, force: bool,
-                      log=print) -> Path:
+def build_module_only(out: Path, cfg: K3Config, target: Target, *, max_prompt: int, pool: Pool | None = None,
+                      force: bool, log=print) -> Path:
     """``k3c compile --no-weights``: the module and a manifest, no checkpoint, archive or reference
     outputs; compiled from shapes only (the meta device), with the published stored dtypes."""
     check_output(out, force=force)
+    check_pool(pool, cfg, target)
     t0 = time.perf_counter()
     dtypes = published_dtypes(cfg)
-    compiled = compile_model(meta_model(cfg), dtypes, target, max_prompt=max_prompt, log=log)
+    compiled = compile_model(meta_model(cfg), dtypes, target, max_prompt=max_prompt, pool=pool, log=log)
+    log_pool(pool, compiled.entry_points, log)
     with atomic_dir(out, force=force) as tmp:
         (tmp / MODULE).write_bytes(compiled.vmfb)
         manifest = Manifest(config=cfg.to_dict(), config_hash=cfg.hash, checkpoint_hash="", checkpoint="",
                             target=target.to_dict(), entry_points=compiled.entry_points, batch=1,
                             max_prompt=max_prompt, parameters=compiled.parameters, weights="",
-                            no_reference="compiled with --no-weights")
+                            no_reference="compiled with --no-weights", pool=pool.to_dict() if pool else {})
         seal(tmp, manifest)
     log(f"module for {cfg.num_hidden_layers} layers written to {out} in {time.perf_counter() - t0:.1f}s, "
         f"peak RSS {_peak_rss() / 2**20:.0f} MiB (this process; iree-compile's own is logged above)")

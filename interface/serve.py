@@ -114,7 +114,9 @@ class Metrics:
                               registry=r, buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
         self.itl = Histogram("k3c_inter_token_latency_seconds", "Between a sequence's consecutive tokens",
                              registry=r, buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
-        self.occupancy = Gauge("k3c_active_sequences", "Sequences taking turns on the device", registry=r)
+        self.occupancy = Gauge("k3c_active_sequences", "Sequences in flight (prompt or decode)", registry=r)
+        self.batch = Histogram("k3c_decode_batch_size", "Sequences decoded together in one step", registry=r,
+                               buckets=(1, 2, 4, 8, 16, 32, 64, 128))
         self.queue = Gauge("k3c_queue_length", "Requests waiting for a place", registry=r)
 
 
@@ -128,7 +130,7 @@ class Served:
     ready: threading.Event = field(default_factory=threading.Event)
 
 
-def load(bundle, served: Served, max_active: int, max_queue: int) -> None:
+def load(bundle, served: Served, max_active: int, max_queue: int, metrics: Metrics) -> None:
     """Open ``bundle`` (an artifacts.bundle.Bundle) on its device and start the engine (a thread of its own)."""
     from ..runtimes.engine import Engine
     from ..runtimes.session import Session
@@ -137,7 +139,7 @@ def load(bundle, served: Served, max_active: int, max_queue: int) -> None:
         session = Session(bundle)
         served.tokenizer = bundle_tokenizer(bundle)
         served.max_context = session.max_context
-        served.engine = Engine(session, served.tokenizer, max_active, max_queue)
+        served.engine = Engine(session, served.tokenizer, max_active, max_queue, metrics.batch.observe)
     except K3Error as e:
         served.error = str(e)
     except Exception as e:   # anything else the runtime raises while loading: said by /health, not a traceback
@@ -152,7 +154,7 @@ def create_app(bundle, *, model: str, api_key: str | None = None, max_active: in
 
     @asynccontextmanager
     async def lifespan(app):
-        threading.Thread(target=load, args=(bundle, served, max_active, max_queue), daemon=True).start()
+        threading.Thread(target=load, args=(bundle, served, max_active, max_queue, metrics), daemon=True).start()
         yield
         if served.engine is not None:
             served.engine.stop()
@@ -385,12 +387,21 @@ def sse(payload: dict) -> str:
 
 
 def serve(bundle_dir: str, host: str, port: int, api_key: str | None, model: str | None,
-          max_active: int, max_queue: int, log=print) -> None:
+          max_active: int | None, max_queue: int, log=print) -> None:
     """Open the bundle (its checks, one error line when it fails) and serve it until interrupted."""
     import uvicorn
 
     from ..artifacts.bundle import open_bundle
     bundle = open_bundle(bundle_dir)
+    pool = bundle.pool
+    if max_active is None:
+        max_active = pool.slots if pool else 8
+    elif pool and max_active > pool.slots:
+        raise K3Error(f"serve: --max-active {max_active} is more than the {pool.slots} sequences of "
+                      f"{bundle.root}'s pool (its --max-batch)")
+    if pool is None:
+        log(f"note: {bundle.root} has no sequence pool: its sequences decode one at a time (k3c compile "
+            "--max-batch N batches them)")
     name = model or bundle.root.resolve().name
     app = create_app(bundle, model=name, api_key=api_key, max_active=max_active, max_queue=max_queue)
     log(f"serving {bundle.root} as model {name!r} at http://{host}:{port}/v1")

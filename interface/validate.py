@@ -127,17 +127,40 @@ def load_reference(bundle: Bundle) -> dict[str, np.ndarray]:
 
 
 def validate(bundle: Bundle, per_layer: bool = False) -> tuple[list[StepResult], list[LayerResult]]:
+    """The prefill and decode steps against the reference; with a sequence pool also ``pooled``."""
     ref = load_reference(bundle)
     tol = TOLERANCE[bundle.manifest.target["backend"]]
     session = Session(bundle)
     logits, hidden = session.prefill(ref["prompt_ids"], hidden=True)
+    prefilled = session.state, session.position
     steps = [compare("prefill", logits, ref["prefill_logits"], tol)]
     bad_layers = [i for i, h in enumerate(hidden) if not np.isfinite(h).all()]
     steps[0].non_finite_layer = bad_layers[0] if bad_layers else None
     for i, token in enumerate(ref["decode_ids"]):
         steps.append(compare(f"decode {i}", session.decode(int(token)), ref["decode_logits"][i], tol))
+    steps += pooled(session, prefilled, ref, tol)
     layers = layer_errors(bundle, ref["prompt_ids"], hidden) if per_layer else []
     return steps, layers
+
+
+def pooled(session: Session, prefilled: tuple, ref: dict[str, np.ndarray], tol: float) -> list[StepResult]:
+    """The decode steps again through the sequence pool, at the largest batch: the prefilled
+    state put into every slot, each row one copy of the sequence ("pooled i", every row against
+    the reference). None without a pool, or where a slot holds fewer tokens than the
+    prompt and its steps."""
+    pool = session.pool
+    n_steps = len(ref["decode_ids"])
+    if pool is None or prefilled[1] + n_steps >= pool.context:
+        return []
+    n = pool.max_batch
+    for slot in range(n):
+        session.state, session.position = prefilled
+        session.put(slot)
+    out = []
+    for i, token in enumerate(ref["decode_ids"]):
+        got = session.decode_pooled([int(token)] * n, [prefilled[1] + i] * n)
+        out.append(compare(f"pooled {i}", got, np.tile(ref["decode_logits"][i], (n, 1)), tol))
+    return out
 
 
 def layer_errors(bundle: Bundle, prompt: np.ndarray, hidden: np.ndarray) -> list[LayerResult]:

@@ -57,16 +57,19 @@ class GatedMLA(nn.Module):
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor | None, decode: bool = False):
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None, decode: bool = False,
+                valid: torch.Tensor | None = None):
         """x [B, T, D]; cache [B, L, rank + rope] of the L tokens before, or None at the start of a
         sequence. Returns (out, latent [B, T, rank + rope]): the cache rows of these T tokens, which
-        the caller appends to the cache (the cache itself is only read here)."""
+        the caller appends to the cache (the cache itself is only read here). In decode ``valid``
+        [B, L] (nonzero where a cache row is one of that sequence's tokens) lets sequences of
+        different lengths share a batch: each attends to its own rows and its new token only."""
         first = cache is None
         latent = self.latent(x)
         q_nope, q_pe = self.queries(x)
         if decode:
             before = latent[:, :0] if first else cache.to(x.dtype)
-            o = self.attend_absorbed(q_nope, q_pe, before, latent)
+            o = self.attend_absorbed(q_nope, q_pe, before, latent, valid)
         else:
             o = self.attend_naive(q_nope, q_pe, latent if first else torch.cat((cache.to(x.dtype), latent), dim=1))
         return self.finish(x, o.to(x.dtype)), latent
@@ -83,10 +86,11 @@ class GatedMLA(nn.Module):
         query = torch.cat((q_nope, q_pe), dim=-1)
         return causal_attention(upcast(query), upcast(key), upcast(v), self.scale)
 
-    def attend_absorbed(self, q_nope, q_pe, before, latent):
+    def attend_absorbed(self, q_nope, q_pe, before, latent, valid=None):
         """MQA over the latent: q_lat,h = W_UK,h^T q_nope,h; score = (q_lat.c + q_pe.k_pe) * scale;
         o_h = W_UV,h sum_t p_t c_t, over the L cache rows ``before`` these T tokens and their own
-        ``latent`` rows. Causal as in attend_naive."""
+        ``latent`` rows. Causal as in attend_naive; with ``valid`` [B, L - T] only the cache rows
+        it marks (nonzero) are seen."""
         B, T, H, _ = q_nope.shape
         L = before.shape[1] + T
         W = self.kv_b_proj.weight.view(H, self.nope + self.dv, self.rank)
@@ -102,6 +106,9 @@ class GatedMLA(nn.Module):
         scores = torch.cat([c @ query.transpose(1, 2) for c in parts], dim=1)          # [B, L, T*H]
         scores = scores.transpose(1, 2).unflatten(1, (T, H)).transpose(1, 2) * self.scale
         mask = torch.ones(T, L, dtype=torch.bool, device=latent.device).tril(L - T)
+        if valid is not None:                                               # [B, 1, T, L]
+            seen = torch.cat((valid != 0, valid.new_ones(B, T, dtype=torch.bool)), dim=1)
+            mask = (mask & seen.unsqueeze(1)).unsqueeze(1)
         p = scores.masked_fill(~mask, -torch.inf).softmax(dim=-1)           # [B, H, T, L]
         p = p.transpose(1, 2).flatten(1, 2)                                 # [B, T*H, L]
         ctx = (p[..., :L - T] @ parts[0] + p[..., L - T:] @ parts[1])[..., :self.rank].unflatten(1, (T, H))

@@ -1,13 +1,17 @@
-"""The serving engine: many sequences on one Session, taking turns step by step.
+"""The serving engine: many sequences on one Session, continuously batched.
 
-The compiled module runs one sequence per call (batch 1; the state goes in and comes out as device
-buffers), so the engine keeps each sequence's state buffers and position itself and a worker
-thread runs the sequences round robin, one step each per turn: a prompt piece (``prefill`` for the
-first, ``extend`` for the others, cut as ``Session.extend`` cuts them) or one ``decode`` step. A
-request joins between steps, a long prompt is fed one piece per turn so it does not stall the
-others, and a sequence leaves the moment it finishes or is cancelled (its client went away). Each
-sequence computes exactly what it computes alone: the same pieces, the same steps, its own seeded
-sampler. Every IREE call happens on the worker thread.
+A worker thread runs turns. At the start of each, waiting requests join (up to ``max_active``
+sequences in flight) and cancelled sequences (their client went away) leave. Then every sequence
+still in its prompt feeds one piece of it (``prefill`` for the first, ``extend`` for the others,
+cut as ``Session.extend`` cuts them), so a long prompt never stalls the others for more than a
+piece; and every other sequence decodes one token. With a bundle compiled for serving (a sequence
+pool: ``k3c compile --max-batch``) a sequence's state moves into the pool after its prompt, the
+pooled sequences kept in its first slots (one that leaves has its slot filled by the last), and
+they all take one decode step together, reading the weights once for all of them; without a pool
+each decodes on its own, its state buffers kept here. Either way
+each sequence computes what it computes alone, up to float rounding (a batch of B runs the kernels
+compiled for B rows): the same prompt pieces, its own positions and its own seeded sampler.
+Every IREE call happens on the worker thread.
 """
 from __future__ import annotations
 
@@ -55,8 +59,9 @@ class Sequence:
     request: Request
     stream: TextStream
     pieces: deque                                   # prompt pieces still to feed
-    state: tuple | None = None
-    position: int = 0
+    state: tuple | None = None                      # its state buffers, until it moves into the pool
+    position: int = 0                               # tokens its state holds
+    slot: int | None = None                         # its slot of the sequence pool
     ids: list[int] = field(default_factory=list)
     cancelled: bool = False
 
@@ -68,11 +73,20 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 class Engine:
-    """``max_active`` sequences take turns; up to ``max_queue`` more wait for a place."""
+    """Up to ``max_active`` sequences in flight (at most the pool's slots), up to ``max_queue`` more
+    waiting for a place."""
 
-    def __init__(self, session, tokenizer, max_active: int = 8, max_queue: int = 64):
-        self.session, self.tokenizer = session, tokenizer
+    def __init__(self, session, tokenizer, max_active: int = 8, max_queue: int = 64,
+                 on_decode: Callable[[int], None] = lambda batch: None):
+        """``on_decode(n)`` is told the size of every decode step (worker thread)."""
+        self.session, self.tokenizer, self.on_decode = session, tokenizer, on_decode
+        self.pool = session.pool
+        if self.pool and max_active > self.pool.slots:
+            raise K3Error(f"serve: --max-active {max_active} is more than the {self.pool.slots} sequences of the "
+                          f"bundle's pool (its --max-batch)")
         self.max_active, self.max_queue = max_active, max_queue
+        self.context = min(session.max_context, self.pool.context) if self.pool else session.max_context
+        self.pooled: list[Sequence] = []               # the pooled sequences, sequence i in slot i (worker only)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
         self._wake = threading.Condition()
@@ -84,9 +98,9 @@ class Engine:
         """Queue ``request``; QueueFull when every place is taken and ``max_queue`` requests wait."""
         if not request.prompt_ids:
             raise K3Error("the prompt is empty")
-        if len(request.prompt_ids) >= self.session.max_context:
+        if len(request.prompt_ids) >= self.context:
             raise K3Error(f"the prompt has {len(request.prompt_ids)} tokens; the context holds "
-                          f"{self.session.max_context}, and at least one must be left to generate")
+                          f"{self.context}, and at least one must be left to generate")
         ids = self.session.check_ids(request.prompt_ids)
         self.session.check_ids(list(request.logit_bias))
         max_prompt = self.session.bundle.manifest.max_prompt
@@ -101,7 +115,7 @@ class Engine:
         return seq
 
     def cancel(self, seq: Sequence) -> None:
-        """Drop ``seq`` at its next turn (or before it starts); its state buffers go with it."""
+        """Drop ``seq`` at the next turn (or before it starts); its state and slot go with it."""
         with self._wake:
             seq.cancelled = True
             self._wake.notify()
@@ -130,33 +144,110 @@ class Engine:
                 self.waiting = deque(s for s in self.waiting if not s.cancelled)
                 while self.waiting and len(self.active) < self.max_active:
                     self.active.append(self.waiting.popleft())
-                turn = list(self.active)
-            for seq in turn:
-                done = seq.cancelled or self._step(seq)
-                if done:
-                    with self._wake:
-                        self.active.remove(seq)
+                turn = [s for s in self.active if not s.cancelled]
+                done = [s for s in self.active if s.cancelled]
+            self._leave(done)     # before the step: a cancelled sequence's slot takes another
+            decoding = [s for s in turn if not s.pieces]
+            done += [s for s in turn if s.pieces and self._prompt_piece(s)]
+            finished = self._decode(decoding)
+            self._leave(finished)
+            with self._wake:
+                for seq in done + finished:
+                    self.active.remove(seq)
                     seq.state = None
 
-    def _step(self, seq: Sequence) -> bool:
-        """One step of ``seq``; whether it has finished."""
+    def _leave(self, seqs: list[Sequence]) -> None:
+        """Take ``seqs`` out of the pool, highest slot first, each slot left filled by the pool's last
+        sequence, so the pooled sequences stay in the first slots. A move the device fails ends
+        every pooled sequence with that error (they leave at the next turn)."""
+        for seq in sorted((q for q in seqs if q.slot is not None), key=lambda q: -q.slot):
+            hole, last = seq.slot, self.pooled.pop()
+            seq.slot = None
+            if last is seq:
+                continue
+            try:
+                self.session.move(last.slot, hole)
+            except K3Error as e:
+                for q in [last, *self.pooled]:
+                    q.request.on_event(Event(error=str(e)))
+                    q.slot, q.cancelled = None, True
+                self.pooled.clear()
+                return
+            last.slot, self.pooled[hole] = hole, last
+
+    def _prompt_piece(self, seq: Sequence) -> bool:
+        """Feed ``seq``'s next prompt piece; after its last, choose its first token and (with a
+        pool) move its state into the next free slot. Whether it has finished."""
         s = self.session
         s.state, s.position = seq.state, seq.position
         try:
-            if seq.pieces:
-                piece = seq.pieces.popleft()
-                logits = (s.prefill(piece, last_only=True)[0] if seq.state is None else s.extend(piece, True))[-1]
-                if seq.pieces:
-                    return False        # its state is kept below
-            else:
-                logits = s.decode(seq.ids[-1])
+            piece = seq.pieces.popleft()
+            logits = (s.prefill(piece, last_only=True)[0] if seq.state is None else s.extend(piece, True))[-1]
         except K3Error as e:
             seq.request.on_event(Event(error=str(e)))
             return True
         finally:
             seq.state, seq.position = s.state, s.position
             s.state = None
-        return self._choose(seq, logits)
+        if seq.pieces:
+            return False
+        return self._choose(seq, logits) or (self.pool is not None and not self._put(seq))
+
+    def _put(self, seq: Sequence) -> bool:
+        """Move ``seq``'s state into the pool's next free slot; False when the device failed it."""
+        s = self.session
+        s.state, s.position = seq.state, seq.position
+        try:
+            s.put(len(self.pooled))
+        except K3Error as e:
+            seq.request.on_event(Event(error=str(e)))
+            return False
+        finally:
+            s.state = None
+        seq.state, seq.slot = None, len(self.pooled)
+        self.pooled.append(seq)
+        return True
+
+    def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
+        """One decode step of each sequence that has its prompt fed (its last id fed): with a pool
+        all pooled ones in one call, else each of ``seqs`` in turn. Those that finished."""
+        if self.pool:
+            return self._decode_pooled()
+        done = []
+        for seq in seqs:
+            s = self.session
+            s.state, s.position = seq.state, seq.position
+            try:
+                logits = s.decode(seq.ids[-1])
+            except K3Error as e:
+                seq.request.on_event(Event(error=str(e)))
+                done.append(seq)
+                continue
+            finally:
+                seq.state, seq.position = s.state, s.position
+                s.state = None
+            self.on_decode(1)
+            if self._choose(seq, logits):
+                done.append(seq)
+        return done
+
+    def _decode_pooled(self) -> list[Sequence]:
+        if not self.pooled:
+            return []
+        group = list(self.pooled)
+        try:
+            logits = self.session.decode_pooled([q.ids[-1] for q in group], [q.position for q in group])
+        except K3Error as e:
+            for seq in group:
+                seq.request.on_event(Event(error=str(e)))
+            return group
+        self.on_decode(len(group))
+        done = []
+        for seq, row in zip(group, logits):
+            seq.position += 1
+            if self._choose(seq, row):
+                done.append(seq)
+        return done
 
     def _choose(self, seq: Sequence, logits: np.ndarray) -> bool:
         r = seq.request
@@ -178,7 +269,7 @@ class Engine:
             event.text, stopped = seq.stream.feed(token)
             if stopped:
                 event.finish_reason = "stop"
-            elif len(seq.ids) >= r.max_tokens or seq.position + 1 >= self.session.max_context:
+            elif len(seq.ids) >= r.max_tokens or seq.position + 1 >= self.context:
                 event.finish_reason = "length"
         if event.finish_reason:
             event.text += seq.stream.finish()

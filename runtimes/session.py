@@ -19,6 +19,7 @@ from ..compiler.device_limits import limits_of
 from ..compiler.devices import check_device, devices, open_devices
 from ..compiler.targets import Target
 from ..errors import K3Error
+from ..exporter.entry_points import ENTRY_POINTS, MOVE, PUT, pooled_decode
 from ..utils.memory import keep_freed_heap
 from .device_fit import fit
 from .readback import DeviceFunction, load, read_back
@@ -129,8 +130,9 @@ class Session:
                       "3.13's Vulkan queue, docs/pipeline.md §4); loading again on a new device", file=sys.stderr)
         self.device = self.config.device
         self._context, self._module_name = context, module.name
-        self.call = {name: DeviceFunction(context, module.name, name) for name in ("prefill", "extend", "decode")
-                     if name in m.entry_points}
+        self.pool = bundle.pool
+        names = ENTRY_POINTS + (self.pool.entry_points() if self.pool else ())
+        self.call = {name: DeviceFunction(context, module.name, name) for name in names if name in m.entry_points}
         self.state: tuple | None = None
         self.position = 0
 
@@ -220,6 +222,46 @@ class Session:
         logits, *self.state = self.call["decode"](ids[None], *self.state, at=f"token {self.position}")
         self.position += 1
         return self.host(logits)[0, -1]
+
+    def put(self, slot: int) -> None:
+        """Move the sequence (its state as prefill and extend left it) into ``slot`` of the bundle's
+        sequence pool, for ``decode_pooled``; the session holds no sequence after."""
+        self._check_slots(slot)
+        if self.state is None:
+            raise K3Error("run: no sequence to put into the pool (prefill first)")
+        if self.position > self.pool.context:
+            raise K3Error(f"run: the sequence has {self.position} tokens; a pool slot holds {self.pool.context}")
+        self.call[PUT](np.array([slot], dtype=np.int64), *self.state, at=f"slot {slot}")
+        self.state, self.position = None, 0
+
+    def move(self, src: int, dst: int) -> None:
+        """Move the pooled sequence in slot ``src`` into slot ``dst`` (what was in dst is lost)."""
+        self._check_slots(src, dst)
+        self.call[MOVE](np.array([src], dtype=np.int64), np.array([dst], dtype=np.int64), at=f"slot {src}")
+
+    def _check_slots(self, *slots: int) -> None:
+        if self.pool is None:
+            raise K3Error(f"run: {self.bundle.root} has no sequence pool (compile it with --max-batch)")
+        if not all(0 <= s < self.pool.slots for s in slots):
+            raise K3Error(f"run: slots lie in [0, {self.pool.slots}); got {list(slots)}")
+
+    def decode_pooled(self, tokens: list[int], positions: list[int]) -> np.ndarray:
+        """One decode step of the pooled sequences (``put``) in slots 0 to n - 1: each one's token
+        and position (the tokens its slot holds); logits [n, vocab]. The step runs on the module's
+        smallest batch size that takes them all, the padding rows on the free slots after them."""
+        pool, n = self.pool, len(tokens)
+        self._check_slots()
+        if not 1 <= n <= pool.max_batch or len(positions) != n:
+            raise K3Error(f"run: a pooled decode step takes 1 to {pool.max_batch} sequences, each with its "
+                          f"position; got {n} tokens and {len(positions)} positions")
+        if not all(1 <= p < pool.context for p in positions):
+            raise K3Error(f"run: pooled positions lie in [1, {pool.context}); got {positions}")
+        batch = next(b for b in pool.batches if b >= n)
+        ids = np.zeros((batch, 1), dtype=np.int64)
+        ids[:n, 0] = self.check_ids(tokens)
+        valid = (np.arange(max(positions)) < np.array(positions + [0] * (batch - n))[:, None]).astype(np.int64)
+        (logits,) = self.call[pooled_decode(batch)](ids, valid, at=f"slots 0-{n - 1}")
+        return self.host(logits)[:n, 0]
 
     def generate(self, prompt_ids, max_new_tokens: int, sampler=None, stop_ids=(), on_token=None,
                  continue_sequence: bool = False) -> Generation:

@@ -30,10 +30,10 @@ def cpu_target(target: str, *values):
 
 
 def pytest_collection_modifyitems(items):
-    """A test that needs ``tiny_bundle`` (a whole-model compile) is slow, marked or not: the fast
-    tier never compiles a whole model."""
+    """A test that needs ``tiny_bundle`` or ``tiny_pool_bundle`` (a whole-model compile) is slow,
+    marked or not: the fast tier never compiles a whole model."""
     for item in items:
-        if "tiny_bundle" in getattr(item, "fixturenames", ()):
+        if {"tiny_bundle", "tiny_pool_bundle"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 
@@ -118,3 +118,22 @@ def tiny_bundle(tmp_path_factory, k3c_cache):
         env.setenv("K3C_CACHE", str(k3c_cache))
         return build_bundle(tmp_path_factory.mktemp("bundles") / "k3-tiny-cpu", parse_target("cpu"),
                             preset="k3-tiny")
+
+
+# the sequence pool of ``tiny_pool_bundle``: decode steps of 1, 2, 4 and 8 sequences, each holding
+# the model's whole context
+TINY_POOL = {"max_batch": 8}
+
+
+@pytest.fixture(scope="session")
+def tiny_pool_bundle(tmp_path_factory, k3c_cache):
+    """The k3-tiny CPU bundle (seed 0) compiled for serving (``k3c compile --max-batch 8``):
+    the entry points of ``tiny_bundle`` and a sequence pool. Read it, don't modify it."""
+    from k3c.compiler.targets import parse_target
+    from k3c.exporter.entry_points import Pool
+    from k3c.interface.build import build_bundle
+    pool = Pool(context=K3Config.preset("k3-tiny").max_position_embeddings, **TINY_POOL)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("K3C_CACHE", str(k3c_cache))
+        return build_bundle(tmp_path_factory.mktemp("bundles") / "k3-tiny-cpu-pool", parse_target("cpu"),
+                            preset="k3-tiny", pool=pool)
