@@ -7,7 +7,7 @@ program reads each weight as stored and widens it where it is multiplied.
     llvm-cpu  up to MAX_ROWS rows of x (a decode step of as many sequences) against bf16 W: the
               streamed matvec (templates/bf16_matvec.mlir), W read once where it lies as i32 words of
               two bf16, 16 partial sums per row and output with the vector lanes on a parallel dim,
-              ROWS_PER_TILE rows in a vector tile (IREE's default matvec reads W at a fraction of
+              ROWS_PER_TILE rows to a vector tile (IREE's default matvec reads W at a fraction of
               copy bandwidth: docs/pipeline.md §6). Every other shape: the default.
     cpu:x86-64-v3, cpu:x86-64-v4
               besides the streamed matvec, f32 rows of a dynamic count (prefill) as one
@@ -69,9 +69,9 @@ def traced(sym: str, ins: list[TensorType], consts: list) -> list[str]:
 
 
 MAX_ROWS = 32   # most rows of x the streamed matvec takes (a decode step of that many sequences)
-# rows of x per vector tile of the streamed matvec (each row holds 16 f32 partial sums): as many as
-# keep the partial sums in 8 vector registers, 16 lanes each with AVX-512, 8 with AVX2, 4 with SSE
-ROWS_PER_TILE = {"x86-64-v4": 8, "x86-64-v3": 4, "": 2}
+# rows of x per vector tile of the streamed matvec: each row's x for all of IN is read once per
+# output, so more rows to a tile outgrow the L1 cache at k3-small's widths (docs/pipeline.md §6)
+ROWS_PER_TILE = 2
 
 
 def streams(ins: list[TensorType]) -> bool:
@@ -82,19 +82,16 @@ def streams(ins: list[TensorType]) -> bool:
             and x.dtype == torch.float32 and w.dtype == torch.bfloat16 and w.shape[1] % (2 * LANES) == 0)
 
 
-def streamed(level: str = ""):
-    """For llvm-cpu at a CPU ``level``: the streamed matvec where it applies (``streams``), its rows
-    ``ROWS_PER_TILE[level]`` to a vector tile, else ``traced``."""
-    def generate(sym: str, ins: list[TensorType], consts: list) -> list[str]:
-        check(ins)
-        if not streams(ins):
-            return traced(sym, ins, consts)
-        x, w = ins
-        (O, IN), lead = w.shape, [str(d) for d in x.shape[:-1]]
-        M = math.prod(x.shape[:-1])
-        return [render("bf16_matvec.mlir", name=sym, O=O, IN=IN, B=IN // (2 * LANES), LANES=LANES, lead=lead, M=M,
-                       MV=math.gcd(M, ROWS_PER_TILE[level]))]
-    return generate
+def streamed(sym: str, ins: list[TensorType], consts: list) -> list[str]:
+    """For llvm-cpu: the streamed matvec where it applies (``streams``), else ``traced``."""
+    check(ins)
+    if not streams(ins):
+        return traced(sym, ins, consts)
+    x, w = ins
+    (O, IN), lead = w.shape, [str(d) for d in x.shape[:-1]]
+    M = math.prod(x.shape[:-1])
+    return [render("bf16_matvec.mlir", name=sym, O=O, IN=IN, B=IN // (2 * LANES), LANES=LANES, lead=lead, M=M,
+                   MV=math.gcd(M, ROWS_PER_TILE))]
 
 
 def tiles(ins: list[TensorType], tile: int) -> bool:
@@ -113,19 +110,18 @@ def tiled(level: str) -> Lowering:
     def generate(sym: str, ins: list[TensorType], consts: list) -> list[str]:
         check(ins)
         if not tiles(ins, tile):
-            return streamed(level)(sym, ins, consts)
+            return streamed(sym, ins, consts)
         x, w = ins
         lead = ["?" if d is None else str(d) for d in x.shape[:-1]]
         return [render("linear_tiled.mlir", name=sym, O=w.shape[0], IN=w.shape[1], lead=lead, dyn=lead.index("?"),
                        wtype="f32" if w.dtype == torch.float32 else "bf16", M0=tile, N0=tile)]
     return Lowering(generate, f"rows of a dynamic count: one {tile}x{tile}x1 mmt4d, W widened into its tiles per "
-                              f"call; up to 32 rows against bf16 W: streamed, {ROWS_PER_TILE[level]} rows a vector "
-                              "tile; else widened, then a matmul")
+                              "call; up to 32 rows against bf16 W: streamed; else widened, then a matmul")
 
 
 LINEAR = CustomOp("linear", {
     "default": Lowering(traced, "x W^T: W widened to x's dtype, then a matmul"),
-    "llvm-cpu": Lowering(streamed(), "up to 32 rows against bf16 W: W streamed once as words of two bf16, 16 "
-                                     "partial sums per row; else widened, then a matmul"),
+    "llvm-cpu": Lowering(streamed, "up to 32 rows against bf16 W: W streamed once as words of two bf16, 16 "
+                                   "partial sums per row; else widened, then a matmul"),
     **{f"cpu:{level}": tiled(level) for level in TILE},
 })

@@ -231,8 +231,8 @@ def as_numpy(w: torch.Tensor) -> np.ndarray:
 def test_linear_streamed_matvec_matches_float64(target, O, I, rows):
     """A decode step's rows against bf16 W, as the CPU runs every projection of a step of one or
     of several pooled sequences, on every CPU level: the streamed matvec (3 tiles of 16 outputs x
-    3 blocks of 32, one row; an output count that is no multiple of 16, 3 rows, fewer than a vector
-    tile at the AVX2 and AVX-512 levels; one of each, 8 rows: a whole tile at AVX-512, two at AVX2)."""
+    3 blocks of 32, one row; an output count that is no multiple of 16, 3 rows: one to a vector
+    tile; one of each, 8 rows: four tiles of two)."""
     from k3c.ops.base import TensorType
     from k3c.ops.linear import streams
 
