@@ -12,6 +12,7 @@ Absolute medians are reported too, but not judged. Sections:
     moe       decode-step MXFP4 expert FFN: weight bytes/s vs a large memory copy; vs bf16 experts
     hybrid    decode time of k3-small vs the same model with every attention layer MLA
     compile   iree-compile wall and CPU time and peak memory at several depths, and of the full K3
+    serve     k3c serve under 1, 2, 4, 8 concurrent streams vs k3c run (interface/bench_serve.py)
     peer      k3c against llama.cpp on one Kimi Linear checkpoint (interface/bench_peer.py); only
               with --only peer: it builds llama.cpp once (about 10 minutes on 2 cores)
 A decode at context N runs on a synthesized random state with N - 1 cached tokens (the shapes and
@@ -49,15 +50,18 @@ from ..model.checkpoint import load_checkpoint
 from ..model.config import every_fourth_and_last
 from ..model.convert import save_checkpoint
 from ..model.init import init_weights
+from ..exporter.entry_points import Pool
 from ..exporter.export import stacked_state
 from ..model.model import K3State
 from ..passes.pipeline import Pipeline
 from ..runtimes.readback import to_device
 from ..runtimes.session import Session
+from ..runtimes.tokenizer import write_byte_level_tokenizer
 from ..utils.memory import keep_freed_heap
 from . import bench_ops
 from .bench_devices import bench_devices
 from .bench_peer import bench_peer
+from .bench_serve import SERVE_POOL, bench_serve
 from .bench_report import SECTIONS
 from ..compiler import cpu as cpu_levels
 from ..compiler.devices import check_device
@@ -175,18 +179,22 @@ def checkpoint_for(cfg: K3Config, path: Path, seed: int, log) -> Path:
     return path
 
 
-def bench_bundle(path: Path, checkpoint: Path, target: Target, max_prompt: int, log) -> tuple[Bundle, K3Model]:
-    """The bundle at ``path`` if its module is the one the compile cache holds for ``checkpoint``
-    (so a source change rebuilds it), else a new one; and the eager model on the same weights."""
+def bench_bundle(path: Path, checkpoint: Path, target: Target, max_prompt: int, log,
+                 pool: Pool | None = None) -> tuple[Bundle, K3Model]:
+    """The bundle at ``path`` if it was built from ``checkpoint`` and its module is the one the
+    compile cache holds for it (so a source change rebuilds it), else a new one (with a sequence
+    ``pool``); and the eager model on the same weights."""
     model = load_checkpoint(checkpoint, dtype=torch.float32).eval()
     try:
         bundle = open_bundle(path)
-        fresh = compile_model(model, stored_dtypes(checkpoint), target, max_prompt=max_prompt, log=log).vmfb
-        if bundle.manifest.max_prompt == max_prompt and bundle.module_path.read_bytes() == fresh:
+        fresh = compile_model(model, stored_dtypes(checkpoint), target, max_prompt=max_prompt, pool=pool,
+                              log=log).vmfb
+        if (bundle.manifest.max_prompt == max_prompt and bundle.checkpoint_dir.resolve() == checkpoint.resolve()
+                and bundle.module_path.read_bytes() == fresh):
             return bundle, model
     except K3Error:
         pass
-    return build_bundle(path, target, checkpoint=checkpoint, max_prompt=max_prompt, log=log), model
+    return build_bundle(path, target, checkpoint=checkpoint, max_prompt=max_prompt, pool=pool, log=log), model
 
 
 def synthetic_state(model: K3Model, cached: int, seed: int = 0) -> K3State:
@@ -513,6 +521,12 @@ def run_bench(sizes: Sizes, work: Path, sections=None, target: str = "cpu", thre
                                      sizes.rounds, log)
         elif name == "compile":
             out[name] = bench_compile(cfg, sizes, tgt, work, log)
+        elif name == "serve":   # a checkpoint of its own: the server needs a tokenizer beside the weights
+            ck_serve = checkpoint_for(cfg, work / f"{sizes.preset}-serve-checkpoint", 0, log)
+            if not (ck_serve / "tokenizer.json").is_file():
+                write_byte_level_tokenizer(ck_serve, cfg.vocab_size)
+            served, _ = bench_bundle(work / f"{sizes.preset}-serve", ck_serve, tgt, sizes.max_prompt, log, SERVE_POOL)
+            out[name] = bench_serve(served, threads, sizes.slow_rounds, log)
         elif name == "peer":
             out[name] = bench_peer(work, tgt, sizes.slow_rounds, log)
         elif name == "devices":

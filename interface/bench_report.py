@@ -10,7 +10,7 @@ from ..errors import K3Error
 from ..utils.files import write_atomic
 
 # the sections of ``k3c bench``, in the order they run and are reported (runtimes/bench.py)
-SECTIONS = ("decode", "prefill", "layers", "kda", "moe", "hybrid", "compile", "devices", "peer")
+SECTIONS = ("decode", "prefill", "layers", "kda", "moe", "hybrid", "compile", "devices", "serve", "peer")
 PART_NAMES = {"kda": "KDA", "mla": "MLA", "moe": "MoE"}
 
 
@@ -64,6 +64,13 @@ def targets(sections: dict) -> list[dict]:
             rows.append(_row(f"decode on {r['devices']} local devices vs one on the same driver (expert-heavy)", r["decode_vs_one"],
                              ">= 1.5x" if r["devices"] == 2 else "> 1x",
                              r["decode_vs_one"] >= (1.5 if r["devices"] == 2 else 1)))
+    if "serve" in sections:
+        sv = sections["serve"]
+        top = sv["rows"][-1]["streams"]
+        rows.append(_row(f"k3c serve aggregate decode tokens/s, {top} streams over 1", sv["aggregate_over_one"], ">= 4x",
+                         sv["aggregate_over_one"] >= 4))
+        rows.append(_row("k3c serve one stream's decode tokens/s over k3c run's", sv["one_stream_over_run"],
+                         ">= 0.9x (within 10%)", sv["one_stream_over_run"] >= 0.9))
     if "peer" in sections:
         p = sections["peer"]
         for what in ("decode", "prefill"):
@@ -142,6 +149,16 @@ def markdown(result: dict) -> str:
             for r in s["compile"]["rows"])
             + "".join(f"; full K3 for {r['target']} {r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s CPU, "
                       f"{r['peak_MiB']:.0f} MiB peak" for r in s["compile"]["full_k3"]))
+    if "serve" in s:
+        sv = s["serve"]
+        lines.append(f"- k3c serve ({sv['prompt']}-token prompts, {sv['tokens']} tokens each, pool of "
+                     f"{sv['pool']['max_batch']}): " + ", ".join(
+                         f"{r['streams']} streams {r['decode_tokens_per_s']:.1f} decode, {r['output_tokens_per_s']:.1f} "
+                         f"output tok/s (TTFT p50/p99 {r['ttft_p50_ms']:.0f}/"
+                         f"{r['ttft_p99_ms']:.0f} ms, ITL p50/p99 {r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms)"
+                         for r in sv["rows"])
+                     + f"; one stream decode {sv['one_stream_decode_tok_s']:.1f} tok/s, k3c run "
+                       f"{sv['run_decode_tok_s']:.1f} tok/s")
     if "peer" in s:
         p = s["peer"]
         lines += [f"Peer (llama.cpp {p['llama_cpp']['build_commit']} from llama-cpp-python "
@@ -182,13 +199,22 @@ def read_runs(paths, relative_to: Path) -> list[tuple[str, dict]]:
     return runs
 
 
+def where_run(machine: dict, target: str) -> str:
+    """", <level>" of the host, or ", <level> code on an <level> host" where the run's target is
+    another CPU level (the AVX2 code benched on an AVX-512 host)."""
+    host, code = machine.get("cpu_level") or "", target.partition("cpu:")[2]
+    if code and code != host:
+        return f", {code} code on an {host} host" if host else f", {code} code"
+    return f", {host}" if host else ""
+
+
 def page(runs: list[tuple[str, dict]], command: str, where: Path) -> str:
     """The benchmarks page at ``where``: for each (JSON name relative to it, result) its sections, date
     and command, ``markdown``, and the run's plot where a PNG of the JSON's name lies beside it."""
     parts = [PAGE_HEAD.format(command=command)]
     for name, result in runs:
         m = result["machine"]
-        title = f"{', '.join(result['sections'])} ({m['cpu']}{', ' + m['cpu_level'] if m.get('cpu_level') else ''})"
+        title = f"{', '.join(result['sections'])} ({m['cpu']}{where_run(m, result.get('target', ''))})"
         plot_name = str(Path(name).with_suffix(".png"))
         shown = f"\n![{title}]({plot_name})\n" if (where.parent / plot_name).is_file() else ""
         parts.append(f"## {title}\n\n`{result.get('command', 'k3c bench')}` on {result.get('date', 'an unrecorded date')} "
@@ -258,6 +284,12 @@ def plot(result: dict, out: Path) -> None:
             ax.bar([i + 0.2 for i in range(len(x))], [r["prefill_vs_one"] for r in rows], 0.4, label="prefill")
             ax.set(xticks=range(len(x)), xticklabels=x, xlabel="local devices", ylabel="tokens/s vs one device",
                    title="experts split over devices")
+        elif name == "serve":
+            x = [r["streams"] for r in rows]
+            ax.plot(x, [r["decode_tokens_per_s"] for r in rows], "o-", label="aggregate decode")
+            ax.plot(x, [r["output_tokens_per_s"] for r in rows], "s-", label="output (prefill included)")
+            ax.plot(x, [rows[0]["decode_tokens_per_s"] * n for n in x], ":", color="gray", label="linear")
+            ax.set(xlabel="concurrent streams", ylabel="tokens / s", title="k3c serve", xticks=x)
         elif name == "peer":
             cases = list(dict.fromkeys((r["format"], r["threads"]) for r in rows))
             by = {(r["format"], r["threads"], r["engine"]): r for r in rows}

@@ -49,3 +49,18 @@ def test_bench_quick_writes_json(tiny_bundle, k3c_cache, tmp_path):
         assert set(t) >= {"figure", "measured", "target", "met"} and isinstance(t["met"], bool)
     assert "| figure | measured | target | met |" in result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_serve_times_every_concurrency(tiny_pool_bundle):
+    """The serve section end to end on k3-tiny, one round: a server process, 1 to 8 streams of
+    exactly its token count each, ``k3c run`` beside it; the judged ratios are those of its rows."""
+    from k3c.interface.bench_serve import STREAMS, bench_serve
+
+    out = bench_serve(tiny_pool_bundle, 1, 1, log=lambda _: None)
+    rows = out["rows"]
+    assert [r["streams"] for r in rows] == list(STREAMS)
+    for r in rows:
+        assert r["decode_tokens_per_s"] > 0 and r["output_tokens_per_s"] > 0
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and 0 < r["itl_p50_ms"] <= r["itl_p99_ms"]
+    assert out["aggregate_over_one"] == pytest.approx(rows[-1]["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"])
+    assert out["one_stream_over_run"] == pytest.approx(out["one_stream_decode_tok_s"] / out["run_decode_tok_s"])
