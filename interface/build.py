@@ -19,6 +19,7 @@ import re
 import resource
 import shutil
 import time
+from math import prod
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from ..artifacts.archive import ParameterTable, first_table_difference, read_arc
 from ..artifacts.pack import checkpoint_table, pack
 from ..artifacts.bundle import (ARCHIVE, FORMAT, MODULE, REFERENCE, Bundle, Manifest, check_archive_fits,
                                 first_difference, module_facts, open_bundle, open_module, package_versions, seal)
-from ..runtimes.device_fit import mib, pool_tensors
+from ..runtimes.device_fit import STATE_TENSOR, dtype_bytes, mib
 from ..runtimes.tokenizer import TOKENIZER_FILES, load_tokenizer, write_byte_level_tokenizer
 
 # The validation prompt (prefill in one call, then DECODE_STEPS greedy steps): 600 tokens cross the
@@ -251,22 +252,31 @@ def build_bundle(out: Path, target: Target, *, preset: str | None = None, checkp
 
 def check_pool(pool: Pool | None, cfg: K3Config, target: Target) -> None:
     """A K3Error when ``pool`` does not fit the model or the target: a slot holds at most the
-    model's context, and the pool is for one device."""
+    model's context, and the pool is for one CPU device (docs/pipeline.md §8)."""
     if pool is None:
         return
     if target.devices > 1:
         raise K3Error(f"compile: --max-batch builds a sequence pool on one device; --devices {target.devices} "
                       "spans several")
+    if target.backend != "llvm-cpu":
+        raise K3Error(f"compile: --max-batch builds a sequence pool for the CPU targets only; {target.name} is "
+                      "not one (docs/pipeline.md §8)")
     if not 2 <= pool.context <= cfg.max_position_embeddings:
         raise K3Error(f"compile: --slot-context {pool.context} must lie in [2, {cfg.max_position_embeddings}] "
                       "(the model's max_position_embeddings)")
 
 
+def pool_bytes(entry_points: dict) -> int:
+    """Bytes of the sequence pool's tensors as the ``pool`` signature lists them (0 without one)."""
+    return sum(dtype_bytes(dtype) * prod(int(d) for d in dims.split(",") if d.strip())
+               for dims, dtype in STATE_TENSOR.findall(entry_points.get("pool", "")))
+
+
 def log_pool(pool: Pool | None, entry_points: dict, log) -> None:
     """Say what the sequence pool holds on the device (its size is set by --slot-context)."""
     if pool:
-        size = sum(b for _, b in pool_tensors(entry_points))
-        log(f"sequence pool: {pool.max_batch} sequences of {pool.context:,} tokens, {mib(size)} on the device")
+        log(f"sequence pool: {pool.max_batch} sequences of {pool.context:,} tokens, "
+            f"{mib(pool_bytes(entry_points))} on the device")
 
 
 def _assemble(tmp: Path, vmfb: bytes, manifest: Manifest, ck_dir: Path, log) -> None:

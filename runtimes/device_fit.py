@@ -4,9 +4,8 @@ A dispatch may bind a whole tensor: a parameter, a piece's logits or hidden stat
 Each must fit one storage-buffer binding (compiler/device_limits.py says why that limit matters);
 the parameters together must fit the device's memory. The MLA caches are one tensor (all MLA
 layers stacked, exporter/export.py ``example_state``) that grows by a row per token, so the binding
-limit also bounds the context: the session stops a sequence before its cache would outgrow it. A
-module compiled for serving also binds its sequence pool's tensors, which are resident like the
-parameters (docs/pipeline.md §8). Tensors the program makes and frees inside a step are not counted.
+limit also bounds the context: the session stops a sequence before its cache would outgrow it.
+Tensors the program makes and frees inside a step are not counted.
 """
 from __future__ import annotations
 
@@ -26,27 +25,17 @@ def dtype_bytes(dtype: str) -> int:
     return int(bits.group()) // 8 if bits else 1
 
 
-def pool_tensors(entry_points: dict) -> list[tuple[list[int], int]]:
-    """Shape and bytes of each tensor of the sequence pool as the ``pool`` signature lists them
-    (none without a pool)."""
-    made = []
-    for dims, dtype in STATE_TENSOR.findall(entry_points.get("pool", "")):
-        shape = [int(d) for d in dims.split(",") if d.strip()]
-        made.append((shape, dtype_bytes(dtype) * prod(shape)))
-    return made
-
-
 @dataclass
 class Footprint:
     tensors: list[tuple[str, int]]      # what a dispatch may bind whole: name, bytes
-    parameter_bytes: int                # the parameters and the sequence pool: resident while loaded
+    parameter_bytes: int
     cache_bytes_per_token: int          # of the stacked MLA caches; 0 without MLA layers or state text
 
 
 def footprint(manifest) -> Footprint:
     """The bundle's tensors from its manifest: parameters as the module reads them, the prefill
     outputs at ``max_prompt`` tokens, the state tensors as the ``state`` signature lists them (the
-    MLA caches, the one four-dimensional entry, listed one token long), the sequence pool's tensors."""
+    MLA caches, the one four-dimensional entry, listed one token long)."""
     cfg, batch, T = manifest.config, manifest.batch, manifest.max_prompt
     params = [(name, dtype_bytes(dtype) * prod(shape)) for name, (dtype, shape) in manifest.parameters.items()]
     tensors = params + [("the logits of a prompt piece", batch * T * cfg["vocab_size"] * 4)]
@@ -60,8 +49,7 @@ def footprint(manifest) -> Footprint:
             per_token = dtype_bytes(dtype) * prod(shape)
         else:
             tensors.append((f"the state tensor {shape}", dtype_bytes(dtype) * prod(shape)))
-    pool = [(f"the sequence pool's tensor {shape}", size) for shape, size in pool_tensors(manifest.entry_points)]
-    return Footprint(tensors + pool, sum(b for _, b in params + pool), per_token)
+    return Footprint(tensors, sum(b for _, b in params), per_token)
 
 
 def mib(n: int) -> str:
@@ -80,8 +68,7 @@ def fit(manifest, limits: DeviceLimits, where: str) -> tuple[int, str]:
         raise K3Error(f"device: {where} binds {name} of {mib(size)}, over the {limit_name} of "
                       f"{limits.name!r} ({mib(limit)}){hint}")
     if need.parameter_bytes > limits.device_memory:
-        what = "parameters and sequence pool" if pool_tensors(manifest.entry_points) else "parameters"
-        raise K3Error(f"device: {where} reads {mib(need.parameter_bytes)} of {what}, more than the device-local "
+        raise K3Error(f"device: {where} reads {mib(need.parameter_bytes)} of parameters, more than the device-local "
                       f"memory of {limits.name!r} ({mib(limits.device_memory)})")
     context = manifest.config["max_position_embeddings"]
     if need.cache_bytes_per_token and need.cache_bytes_per_token * context > limit:

@@ -61,20 +61,6 @@ def test_parameters_over_the_device_memory_are_refused():
         fit(manifest(a=["float32", [2**19]], b=["float32", [2**19]]), limits(2**30, memory=3 * 2**20), "b")
 
 
-def test_a_sequence_pool_is_bound_and_resident_like_the_parameters():
-    # 4 sequences of 1,024 tokens: k3-tiny's pool tensors as export lists them
-    m = manifest(embed=["bfloat16", [512, 64]])
-    m.entry_points["pool"] = "(2, 4, 3, 256, 3):bfloat16, (2, 4, 4, 64, 64):float32, (2, 4, 1024, 40):bfloat16"
-    f = footprint(m)
-    cache = 2 * 4 * 1024 * 40 * 2
-    assert ("the sequence pool's tensor [2, 4, 1024, 40]", cache) in f.tensors
-    assert f.parameter_bytes == 512 * 64 * 2 + 2 * 4 * 3 * 256 * 3 * 2 + 2 * 4 * 4 * 64 * 64 * 4 + cache
-    with pytest.raises(K3Error, match=r"binds the sequence pool's tensor \[2, 4, 1024, 40\] of 0\.6 MiB"):
-        fit(m, limits(2**19 - 1), "b")
-    with pytest.raises(K3Error, match="of parameters and sequence pool, more than the device-local memory"):
-        fit(m, limits(2**30, memory=2**20), "b")
-
-
 def test_the_context_is_what_one_binding_holds_of_the_mla_caches():
     m = manifest(embed=["bfloat16", [512, 64]])
     assert fit(m, limits(2**30), "b") == (4096, "")

@@ -150,7 +150,8 @@ def test_validate_runs_the_pool_at_its_largest_batch(tiny_pool_bundle):
     (["--slot-context", "64"], "give --max-batch"),
     (["--max-batch", "2", "--slot-context", "5000"], "must lie in [2, 4096]"),
     (["--max-batch", "2", "--devices", "2"], "spans several"),
-], ids=["context without a pool", "context past the model's", "several devices"])
+    (["--max-batch", "2", "--target", "vulkan"], "for the CPU targets only"),
+], ids=["context without a pool", "context past the model's", "several devices", "a GPU target"])
 def test_pool_options_are_checked_before_any_work(tmp_path, args, words):
     r = CliRunner().invoke(main, ["compile", "--preset", "k3-tiny", "-o", str(tmp_path / "b"), *args])
     lines = r.stderr.strip().splitlines()
@@ -167,3 +168,16 @@ def test_a_manifest_pool_of_other_fields_is_refused():
                  {"context": 8, "max_batch": 2, "slots": 2}):
         with pytest.raises(K3Error, match="field 'pool'"):
             Manifest.from_raw({**raw, "pool": pool})
+
+
+def test_compile_says_the_pool_size():
+    """k3-tiny's pool at 8 sequences of 4,096 tokens, as export lists it: 4 KDA layers' windows
+    [8, 3, 64, 3] and S [8, 2, 32, 32], 2 MLA layers' caches [8, 4096, 40], float32."""
+    from k3c.interface.build import log_pool, pool_bytes
+
+    points = {"pool": "(4, 8, 3, 64, 3):float32, (4, 8, 2, 32, 32):float32, (2, 8, 4096, 40):float32"}
+    size = 4 * (4 * 8 * 3 * 64 * 3 + 4 * 8 * 2 * 32 * 32 + 2 * 8 * 4096 * 40)
+    assert pool_bytes(points) == size and pool_bytes({}) == 0
+    said = []
+    log_pool(Pool(context=4096, max_batch=8), points, said.append)
+    assert said == [f"sequence pool: 8 sequences of 4,096 tokens, {size / 2**20:,.1f} MiB on the device"]
