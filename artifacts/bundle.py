@@ -173,6 +173,11 @@ class Bundle:
         return Pool(**self.manifest.pool) if self.manifest.pool else None
 
     @property
+    def entry_point_names(self) -> tuple[str, ...]:
+        """The entry points a module of this bundle may have: every module's, and its pool's."""
+        return ENTRY_POINTS + (self.pool.entry_points() if self.pool else ())
+
+    @property
     def parameter_files(self) -> list[Path]:
         """What the module's parameters are read from: the packed archive, or (a bundle from ONNX,
         whose parameters are the checkpoint's own tensors) the checkpoint's safetensors files."""
@@ -338,10 +343,9 @@ def check_module(bundle: Bundle) -> None:
 
     m = bundle.manifest
     want = module_facts(m.config_hash, m.parameters, m.target, m.max_prompt, m.batch, m.pool)
-    names = ENTRY_POINTS + (bundle.pool.entry_points() if bundle.pool else ())
     try:
         module = rt.VmModule.copy_buffer(rt.VmInstance(), bundle.module_path.read_bytes())
-        found = {name: module.lookup_function(name) for name in names}
+        found = {name: module.lookup_function(name) for name in bundle.entry_point_names}
     except (RuntimeError, ValueError) as e:
         raise K3Error(f"bundle: {bundle.module_path} is not an IREE module ({str(e).splitlines()[0][:200]})") from None
     for name, fn in found.items():

@@ -40,10 +40,6 @@ class Pool:
     max_batch: int
 
     @property
-    def slots(self) -> int:
-        return self.max_batch
-
-    @property
     def batches(self) -> tuple[int, ...]:
         powers = [1 << i for i in range(self.max_batch.bit_length()) if 1 << i < self.max_batch]
         return (*powers, self.max_batch)

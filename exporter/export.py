@@ -376,7 +376,7 @@ def _body_example(model: K3Model, key: str, body: LayerBody, batch: int, rows: i
 
 def pool_example(model: K3Model, pool: Pool) -> list[torch.Tensor]:
     """The pool's tensors (``PooledDecode``) on the meta device: the state of its slots' sequences."""
-    return [t.to("meta") for t in example_state(model, pool.slots, pool.context)]
+    return [t.to("meta") for t in example_state(model, pool.max_batch, pool.context)]
 
 
 def trace_programs(model: K3Model, stored: dict[str, torch.dtype] | None = None, *, batch: int = 1,
@@ -575,7 +575,7 @@ def export_model(model: K3Model, stored_dtypes: dict[str, torch.dtype], *, batch
         **layer_entry_points(cfg, batch, max_prompt, Program(model, "prefill").rows),
     }
     if pool:
-        pooled = example_state(model, pool.slots, pool.context)
+        pooled = example_state(model, pool.max_batch, pool.context)
         entry_points["pool"] = ", ".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in pooled)
         entry_points[PUT] = f"(slot [1] int64, state... of one sequence, L<= {pool.context}) -> ()"
         entry_points[MOVE] = "(src [1] int64, dst [1] int64) -> ()"

@@ -392,13 +392,10 @@ def serve(bundle_dir: str, host: str, port: int, api_key: str | None, model: str
     import uvicorn
 
     from ..artifacts.bundle import open_bundle
+    from ..runtimes.engine import active_limit
     bundle = open_bundle(bundle_dir)
     pool = bundle.pool
-    if max_active is None:
-        max_active = pool.slots if pool else 8
-    elif pool and max_active > pool.slots:
-        raise K3Error(f"serve: --max-active {max_active} is more than the {pool.slots} sequences of "
-                      f"{bundle.root}'s pool (its --max-batch)")
+    max_active = active_limit(pool, max_active)
     if pool is None:
         log(f"note: {bundle.root} has no sequence pool: its sequences decode one at a time (k3c compile "
             "--max-batch N batches them)")

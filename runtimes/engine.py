@@ -72,19 +72,27 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum())
 
 
+def active_limit(pool, max_active: int | None) -> int:
+    """Sequences in flight at once: ``max_active``, by default the pool's size (8 without a pool);
+    never more than the pool holds."""
+    if max_active is None:
+        return pool.max_batch if pool else 8
+    if pool and max_active > pool.max_batch:
+        raise K3Error(f"serve: --max-active {max_active} is more than the {pool.max_batch} sequences of the "
+                      f"bundle's pool (its --max-batch)")
+    return max_active
+
+
 class Engine:
     """Up to ``max_active`` sequences in flight (at most the pool's slots), up to ``max_queue`` more
     waiting for a place."""
 
-    def __init__(self, session, tokenizer, max_active: int = 8, max_queue: int = 64,
+    def __init__(self, session, tokenizer, max_active: int | None = None, max_queue: int = 64,
                  on_decode: Callable[[int], None] = lambda batch: None):
         """``on_decode(n)`` is told the size of every decode step (worker thread)."""
         self.session, self.tokenizer, self.on_decode = session, tokenizer, on_decode
         self.pool = session.pool
-        if self.pool and max_active > self.pool.slots:
-            raise K3Error(f"serve: --max-active {max_active} is more than the {self.pool.slots} sequences of the "
-                          f"bundle's pool (its --max-batch)")
-        self.max_active, self.max_queue = max_active, max_queue
+        self.max_active, self.max_queue = active_limit(self.pool, max_active), max_queue
         self.context = min(session.max_context, self.pool.context) if self.pool else session.max_context
         self.pooled: list[Sequence] = []               # the pooled sequences, sequence i in slot i (worker only)
         self.waiting: deque[Sequence] = deque()

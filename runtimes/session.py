@@ -19,7 +19,7 @@ from ..compiler.device_limits import limits_of
 from ..compiler.devices import check_device, devices, open_devices
 from ..compiler.targets import Target
 from ..errors import K3Error
-from ..exporter.entry_points import ENTRY_POINTS, MOVE, PUT, pooled_decode
+from ..exporter.entry_points import MOVE, PUT, pooled_decode
 from ..utils.memory import keep_freed_heap
 from .device_fit import fit
 from .readback import DeviceFunction, load, read_back
@@ -131,8 +131,8 @@ class Session:
         self.device = self.config.device
         self._context, self._module_name = context, module.name
         self.pool = bundle.pool
-        names = ENTRY_POINTS + (self.pool.entry_points() if self.pool else ())
-        self.call = {name: DeviceFunction(context, module.name, name) for name in names if name in m.entry_points}
+        self.call = {name: DeviceFunction(context, module.name, name) for name in bundle.entry_point_names
+                     if name in m.entry_points}
         self.state: tuple | None = None
         self.position = 0
 
@@ -242,8 +242,8 @@ class Session:
     def _check_slots(self, *slots: int) -> None:
         if self.pool is None:
             raise K3Error(f"run: {self.bundle.root} has no sequence pool (compile it with --max-batch)")
-        if not all(0 <= s < self.pool.slots for s in slots):
-            raise K3Error(f"run: slots lie in [0, {self.pool.slots}); got {list(slots)}")
+        if not all(0 <= s < self.pool.max_batch for s in slots):
+            raise K3Error(f"run: slots lie in [0, {self.pool.max_batch}); got {list(slots)}")
 
     def decode_pooled(self, tokens: list[int], positions: list[int]) -> np.ndarray:
         """One decode step of the pooled sequences (``put``) in slots 0 to n - 1: each one's token

@@ -75,7 +75,7 @@ def test_pooled_steps_equal_each_sequence_alone_eagerly(n):
     model = init_weights(K3Model(cfg), seed=0).double().eval()
     pool = Pool(context=32, max_batch=4)
     bodies = layer_bodies(model, weights=True, batches=pool.batches)
-    tensors = [t.double() if t.is_floating_point() else t for t in example_state(model, pool.slots, pool.context)]
+    tensors = [t.double() if t.is_floating_point() else t for t in example_state(model, pool.max_batch, pool.context)]
     names = Program(model, "decode").state_names
     states = {}
 
